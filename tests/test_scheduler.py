@@ -1,0 +1,161 @@
+"""Scheduler tests: rejection of impossible requests, chunking, preemption, stop rules, and random workloads."""
+import random
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from nanoengine.engine.block_manager import check_invariants
+from nanoengine.engine.scheduler import Scheduler
+from nanoengine.engine.sequence import Sequence, SequenceStatus
+from nanoengine.sampling_params import SamplingParams
+
+
+def seq(n: int, max_tokens: int = 4, block_size: int = 4, start: int = 0, **kw) -> Sequence:
+    return Sequence(list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, **kw), block_size=block_size)
+
+
+def drain(sch: Scheduler, rng: random.Random, vocab: int = 50, max_steps: int = 100_000) -> int:
+    """Run the scheduler with random tokens until every request finished; return the number of steps."""
+    for step in range(max_steps):
+        if sch.is_finished():
+            return step
+        batch = sch.schedule()
+        assert batch.seqs, "every step makes progress"
+        if batch.is_prefill:
+            assert batch.num_batched_tokens <= sch.max_num_batched_tokens
+        assert len(batch.seqs) <= sch.max_num_seqs
+        sch.postprocess(batch, [rng.randrange(1, vocab) for _ in batch.seqs])
+        live = list(sch.running) + [s for s in sch.waiting if s.block_table]
+        check_invariants(sch.block_manager, live)
+    raise AssertionError("did not finish")
+
+
+def test_impossible_requests_are_rejected_when_added_and_the_scheduler_keeps_serving():
+    sch = Scheduler(8, 4, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sch.add(seq(60, max_tokens=5))
+    with pytest.raises(ValueError, match="KV blocks"):
+        sch.add(seq(30, max_tokens=10))
+    with pytest.raises(ValueError, match="block_size"):
+        sch.add(seq(4, block_size=8))
+    with pytest.raises(ValueError, match="empty"):
+        sch.check_request(0, SamplingParams())
+    ok = seq(20, max_tokens=13)
+    sch.add(ok)
+    assert drain(sch, random.Random(0)) > 0 and ok.is_finished and ok.num_completion_tokens == 13
+
+
+def test_largest_acceptable_request_runs_alone_in_the_pool():
+    sch = Scheduler(4, 4, max_model_len=64)
+    big = seq(10, max_tokens=7)
+    sch.add(big)
+    drain(sch, random.Random(1))
+    assert big.num_completion_tokens == 7 and sch.block_manager.num_free_blocks == 4
+
+
+def test_chunked_prefill_respects_the_budget_and_fills_it():
+    sch = Scheduler(64, 4, max_num_batched_tokens=16, max_model_len=256)
+    a, b = seq(10, start=0), seq(30, start=100)
+    sch.add(a)
+    sch.add(b)
+    first = sch.schedule()
+    assert first.is_prefill and first.seqs == [a, b] and first.num_batched_tokens == 16
+    assert (a.num_scheduled_tokens, b.num_scheduled_tokens) == (10, 6), "the last admitted request gets the rest"
+    assert a.status == SequenceStatus.RUNNING and b.status == SequenceStatus.WAITING
+    sch.postprocess(first, [1, 2])
+    assert a.completion_token_ids == [1] and b.completion_token_ids == [], "a partial chunk's token is discarded"
+    second = sch.schedule()
+    assert second.seqs == [b] and b.num_cached_tokens == 6 and b.num_scheduled_tokens == 16
+
+
+def test_preemption_picks_the_newest_and_readmits_it_first_mostly_from_cache():
+    sch = Scheduler(10, 4, max_model_len=64)
+    first, second = seq(8, max_tokens=20, start=0), seq(8, max_tokens=20, start=100)
+    sch.add(first)
+    sch.add(second)
+    rng = random.Random(0)
+    batch = sch.schedule()
+    while not batch.preempted:
+        sch.postprocess(batch, [rng.randrange(1, 50) for _ in batch.seqs])
+        batch = sch.schedule()
+    assert batch.preempted == [second] and sch.waiting[0] is second and second.block_table == []
+    assert second.status == SequenceStatus.WAITING and sch.num_preemptions == 1
+    tokens_before = second.num_tokens
+    sch.postprocess(batch, [rng.randrange(1, 50) for _ in batch.seqs])
+    while True:
+        batch = sch.schedule()
+        if batch.is_prefill:
+            break
+        sch.postprocess(batch, [rng.randrange(1, 50) for _ in batch.seqs])
+    assert first.is_finished and batch.seqs == [second] and second.num_tokens == tokens_before
+    assert second.num_cached_tokens >= tokens_before // 2, "most of its blocks were still in the prefix cache"
+    drain(sch, rng)
+    assert first.num_completion_tokens == second.num_completion_tokens == 20
+
+
+def test_stop_tokens_finish_reason_and_ignore_eos():
+    sch = Scheduler(16, 4, max_model_len=64, eos_token_ids=(0, 99))
+    stop, ignore, length = seq(3, max_tokens=10), seq(3, max_tokens=3, ignore_eos=True, start=50), seq(3, max_tokens=2, start=70)
+    for s in (stop, ignore, length):
+        sch.add(s)
+    sch.postprocess(sch.schedule(), [5, 99, 6])
+    sch.postprocess(sch.schedule(), [99, 0, 7])
+    assert stop.finish_reason == "stop" and stop.completion_token_ids == [5, 99]
+    assert length.finish_reason == "length" and length.completion_token_ids == [6, 7]
+    sch.postprocess(sch.schedule(), [3])
+    assert ignore.finish_reason == "length" and ignore.completion_token_ids == [99, 0, 3]
+    assert sch.is_finished() and sch.block_manager.num_free_blocks == 16
+
+
+def test_max_num_seqs_limits_both_phases():
+    sch = Scheduler(64, 4, max_num_seqs=2, max_model_len=64)
+    for i in range(5):
+        sch.add(seq(4, max_tokens=3, start=10 * i))
+    first = sch.schedule()
+    assert len(first.seqs) == 2
+    assert drain(sch, random.Random(0)) > 0
+
+
+def test_postprocess_rejects_a_wrong_number_of_tokens():
+    sch = Scheduler(8, 4)
+    sch.add(seq(4))
+    with pytest.raises(ValueError, match="tokens for a batch"):
+        sch.postprocess(sch.schedule(), [1, 2])
+
+
+def test_many_requests_finish_in_order_and_leave_no_block_behind():
+    sch = Scheduler(40, 16, max_num_seqs=64, max_num_batched_tokens=256, max_model_len=512)
+    rng = random.Random(3)
+    system = [rng.randrange(1000) for _ in range(48)]
+    reqs = []
+    for i in range(300):
+        prompt = (system if i % 2 else []) + [rng.randrange(1000) for _ in range(rng.randint(1, 60))]
+        s = Sequence(prompt, SamplingParams(max_tokens=rng.randint(1, 40)), block_size=16)
+        sch.add(s)
+        reqs.append(s)
+    drain(sch, rng)
+    assert all(s.is_finished and s.num_completion_tokens == s.sampling_params.max_tokens for s in reqs)
+    assert sch.block_manager.num_free_blocks == 40 and not sch.block_manager.used_block_ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 40),
+       max_num_seqs=st.integers(1, 6), seed=st.integers(0, 10**6),
+       requests=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=24), st.integers(1, 12)),
+                         min_size=1, max_size=12))
+def test_random_workloads_always_finish_with_invariants_intact(num_blocks, block_size, budget, max_num_seqs, seed,
+                                                               requests):
+    sch = Scheduler(num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                    max_model_len=64, eos_token_ids=(0,))
+    accepted = []
+    for prompt, max_tokens in requests:
+        s = Sequence(prompt, SamplingParams(max_tokens=max_tokens), block_size=block_size)
+        try:
+            sch.add(s)
+            accepted.append(s)
+        except ValueError:
+            assert -(-(len(prompt) + max_tokens - 1) // block_size) > num_blocks
+    drain(sch, random.Random(seed), vocab=4)
+    assert all(s.is_finished for s in accepted)
+    check_invariants(sch.block_manager, [])
