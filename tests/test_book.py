@@ -1,0 +1,188 @@
+"""The book: it builds with warnings as errors, and the built site renders in a real (headless) browser."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "_build"  # shared with `make book`
+HTML = BUILD / "html"
+BUILD_LOG = BUILD / "jupyter-book.log"
+# The chapter page the browser test opens and photographs, relative to _build/html/.
+CHAPTER_PAGE = "notebooks/03_scheduler.html"
+SCREENSHOT = BUILD / "screenshots" / "scheduler.png"
+
+# The machine may have no network: these keep Chromium from retrying Google services in a loop.
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+# How myst-nb marks saved error output (checked against a built notebook with an exception and a stderr print),
+# plus docutils' inline error boxes.
+ERROR_OUTPUT_SELECTOR = ".output.traceback, .output.error, .output.stderr, .system-message"
+# Harmless JavaScript errors of the theme itself: Jupyter Book 1.x writes sphinx-thebe's config script twice
+# on notebook pages.
+KNOWN_JS_ERRORS = ("Identifier 'THEBE_JS_URL' has already been declared",)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+# --- building ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def book_build() -> dict:
+    """Build the whole book from scratch into _build/ (as `make book` does), with warnings as errors."""
+    jupyter_book = Path(sys.executable).parent / "jupyter-book"
+    # --all: an incremental build only re-reads changed pages, so it would not repeat an old page's warnings.
+    cmd = [str(jupyter_book), "build", str(REPO), "--path-output", str(REPO), "--all", "-W", "-n", "--keep-going"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    seconds = time.monotonic() - start
+    log = ANSI.sub("", proc.stdout)
+    BUILD.mkdir(exist_ok=True)
+    BUILD_LOG.write_text(log, encoding="utf-8")
+    print(f"jupyter-book build took {seconds:.1f} s; log in {BUILD_LOG}")
+    return {"returncode": proc.returncode, "log": log, "seconds": seconds, "cmd": " ".join(cmd)}
+
+
+@pytest.mark.slow
+def test_book_builds_with_warnings_as_errors(book_build):
+    if book_build["returncode"] != 0:
+        lines = book_build["log"].splitlines()
+        warnings = [ln for ln in lines if "WARNING" in ln or "ERROR" in ln]
+        others = [ln for ln in lines if ln.strip() and ln not in warnings and not ln.startswith("=====")]
+        pytest.fail(
+            f"`{book_build['cmd']}` exited with {book_build['returncode']} "
+            f"after {book_build['seconds']:.0f} s (full log: {BUILD_LOG}).\n"
+            f"{len(warnings)} warnings/errors:\n" + "\n".join(warnings[:60])
+            + "\n\nlast other lines of the log:\n" + "\n".join(others[-15:]),
+            pytrace=False,
+        )
+
+
+# --- what the table of contents promises ------------------------------------------------------------------------
+
+def toc_files() -> list[str]:
+    """Every page of _toc.yml, root first, as paths without suffix relative to the repository."""
+    toc = yaml.safe_load((REPO / "_toc.yml").read_text(encoding="utf-8"))
+    files = [toc["root"]]
+
+    def walk(entries):
+        for entry in entries or []:
+            if "file" in entry:
+                files.append(entry["file"])
+            walk(entry.get("sections"))
+
+    walk(toc.get("chapters"))
+    for part in toc.get("parts") or []:
+        walk(part.get("chapters"))
+    return [re.sub(r"\.(md|ipynb)$", "", f) for f in files]
+
+
+def plain(markdown: str) -> str:
+    """The text a reader sees for a markdown heading: no links, code ticks or emphasis marks."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", markdown)
+    text = text.replace("`", "").replace("**", "").replace("*", "")
+    return " ".join(text.split())
+
+
+def page_title(stem: str) -> str:
+    """The first `# ` heading of a toc page (a markdown file or a notebook's markdown cells)."""
+    for suffix in (".md", ".ipynb"):
+        path = REPO / (stem + suffix)
+        if not path.exists():
+            continue
+        if suffix == ".md":
+            chunks = [path.read_text(encoding="utf-8")]
+        else:
+            nb = json.loads(path.read_text(encoding="utf-8"))
+            chunks = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+        for chunk in chunks:
+            for line in chunk.splitlines():
+                if line.startswith("# "):
+                    return plain(line[2:])
+        raise AssertionError(f"{path.relative_to(REPO)} has no `# ` title")
+    raise AssertionError(f"_toc.yml lists {stem}, but neither {stem}.md nor {stem}.ipynb exists")
+
+
+# --- the browser test -----------------------------------------------------------------------------------------------
+
+def check_page(page, name: str, titles: list[str], title: str) -> list[str]:
+    """What is wrong with the page open in `page`: navigation, its heading, images, error output."""
+    problems = []
+    nav = page.eval_on_selector_all(".bd-sidebar-primary a", "els => els.map(a => a.textContent)")
+    nav = {" ".join(t.split()) for t in nav}
+    missing = [t for t in titles if t not in nav]
+    if missing:
+        problems.append(f"{name}: the sidebar lacks the chapters {missing} (it has {sorted(nav)})")
+    h1 = " ".join(page.locator("article h1").first.inner_text().replace("#", "").split())
+    if h1 != title:
+        problems.append(f"{name}: the page heading is {h1!r}, expected {title!r}")
+    broken = page.evaluate(
+        "() => [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
+    )
+    if broken:
+        problems.append(f"{name}: images that did not load: {broken}")
+    errors = page.locator(ERROR_OUTPUT_SELECTOR)
+    for i in range(errors.count()):
+        problems.append(f"{name}: error output on the page: {errors.nth(i).inner_text()[:300]!r}")
+    if "Traceback" in page.locator("body").inner_text():
+        problems.append(f"{name}: the page shows a Traceback")
+    return problems
+
+
+@pytest.mark.slow
+def test_site_renders_in_headless_chromium(book_build):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed; `bash tests/browser_setup.sh` installs it")
+    from playwright.sync_api import sync_playwright
+
+    index, chapter = HTML / "index.html", HTML / CHAPTER_PAGE
+    assert index.exists(), f"the book build wrote no {index}"
+    assert chapter.exists(), f"the book build wrote no {chapter}; update CHAPTER_PAGE in {Path(__file__).name}"
+    stems = toc_files()
+    titles = [page_title(s) for s in stems]
+    root_html = stems[0] + ".html"
+    chapter_title = page_title(CHAPTER_PAGE.removesuffix(".html"))
+
+    problems, js_errors, remote_failures = [], [], []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("pageerror", lambda err: js_errors.append(str(err)))
+
+            def request_failed(request):
+                if request.url.startswith("file:"):  # a missing file of the site itself
+                    problems.append(f"could not load {request.url}: {request.failure}")
+                else:  # CDN assets (MathJax, thebe) cannot load offline; reported, not fatal
+                    remote_failures.append(request.url)
+
+            page.on("requestfailed", request_failed)
+
+            page.goto(index.as_uri(), wait_until="load")
+            page.wait_for_url(f"**/{root_html}", timeout=15_000)  # index.html redirects to the root page
+            page.wait_for_load_state("load")
+            problems += check_page(page, "index", titles, titles[0])
+
+            page.goto(chapter.as_uri(), wait_until="load")
+            problems += check_page(page, CHAPTER_PAGE, titles, chapter_title)
+            if page.locator("article.bd-article img").count() == 0:
+                problems.append(f"{CHAPTER_PAGE}: no figure in the chapter")
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT), full_page=True)
+        finally:
+            browser.close()
+
+    problems += [f"JavaScript error: {e}" for e in js_errors if not any(k in e for k in KNOWN_JS_ERRORS)]
+    print(f"screenshot: {SCREENSHOT}")
+    if remote_failures:
+        print("remote assets that did not load (offline?):", *sorted(set(remote_failures)), sep="\n  ")
+    assert not problems, "the built site does not render properly:\n" + "\n".join(problems)
