@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SequenceStatus', 'Sequence']
 
-# %% ../../notebooks/01d_sequence.ipynb #8fc26035
+# %% ../../notebooks/01d_sequence.ipynb #1cd52245
 from enum import Enum, auto
 from itertools import count
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['check_kv_layout', 'store_kv_torch', 'store_kv_triton', 'store_kv']
 
-# %% ../../notebooks/07_kv_store.ipynb #4aa9d831
+# %% ../../notebooks/07_kv_store.ipynb #bd0acd05
 import torch
 
 try:
