@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ScheduledBatch', 'Scheduler']
 
-# %% ../../notebooks/03_scheduler.ipynb #3bb048fa
+# %% ../../notebooks/03_scheduler.ipynb #55103160
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,7 +49,7 @@ class Scheduler:
             raise ValueError("config.num_kvcache_blocks must be set (the model runner sizes the pool) before scheduling")
         return cls(config.num_kvcache_blocks, config.kvcache_block_size, max_num_seqs=config.max_num_seqs,
                    max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-                   eos_token_ids=eos_token_ids)
+                   eos_token_ids=eos_token_ids, enable_prefix_caching=config.enable_prefix_caching)
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise ValueError when a request could never be served by this engine."""
@@ -113,6 +113,18 @@ class Scheduler:
         if not seqs and not self.is_finished():
             raise RuntimeError("scheduler made no progress: no sequence fits the KV cache (please report this bug)")
         return ScheduledBatch(seqs, False, len(seqs), preempted)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished request: free its blocks and forget it."""
+        if seq.is_finished:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and put it first in line to be recomputed."""

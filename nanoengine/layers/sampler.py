@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['splitmix64', 'mix_seed', 'SamplingBatch', 'apply_top_k_top_p', 'draw_exponentials', 'Sampler']
 
-# %% ../../notebooks/06_sampler.ipynb #06f990f9
+# %% ../../notebooks/06_sampler.ipynb #63ce05c7
 from dataclasses import dataclass
 
 import torch
@@ -13,8 +13,9 @@ from torch import nn
 
 from ..sampling_params import SamplingParams
 from ..utils.checks import check_int
+from ..utils.compile import maybe_compile
 
-# %% ../../notebooks/06_sampler.ipynb #b3ca5329
+# %% ../../notebooks/06_sampler.ipynb #b564e468
 _MASK64 = (1 << 64) - 1
 
 
@@ -30,7 +31,7 @@ def mix_seed(seed: int, position: int) -> int:
     """The 63-bit generator seed for the token at `position` of a request seeded with `seed`."""
     return splitmix64(splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
 
-# %% ../../notebooks/06_sampler.ipynb #a117e5da
+# %% ../../notebooks/06_sampler.ipynb #6cb8fbe6
 def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A small host list as a tensor on `device` (pinned and non-blocking when that is a GPU)."""
     t = torch.tensor(values, dtype=dtype)
@@ -84,31 +85,30 @@ class SamplingBatch:
             any_seeded=any(s is not None for s in seeds),
         )
 
-# %% ../../notebooks/06_sampler.ipynb #2af26aea
+# %% ../../notebooks/06_sampler.ipynb #64de2d6d
 def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Set each row's logits outside its top-k and its nucleus (top-p) to -inf, in place; returns `logits`."""
     if not (batch.any_top_k or batch.any_top_p):
         return logits
-    vocab_size = logits.shape[-1]
-    top_ks, top_ps = batch.top_ks, batch.top_ps
-    if not batch.any_top_p:
-        k_max = min(batch.max_top_k, vocab_size)
-        top_values = logits.topk(k_max, dim=-1).values  # [B, k_max], descending
-        kth = top_values.gather(1, (top_ks.clamp(1, k_max) - 1).unsqueeze(1))  # [B, 1]
-        kth.masked_fill_((top_ks < 1).unsqueeze(1), float("-inf"))
-        return logits.masked_fill_(logits < kth, float("-inf"))
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V] each
+    if batch.any_top_p:
+        ranked = logits.sort(dim=-1, descending=True).values  # [B, V]
+    else:
+        ranked = logits.topk(min(batch.max_top_k, logits.shape[-1]), dim=-1).values  # [B, k_max], descending
+    threshold = torch.full_like(ranked[:, :1], float("-inf"))  # [B, 1]
     if batch.any_top_k:
-        k = torch.where(top_ks > 0, top_ks.clamp(max=vocab_size), vocab_size)
-        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
-    mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
-    drop = (mass_before >= top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    return logits.scatter_(1, order, sorted_logits)
+        k = batch.top_ks.clamp(1, ranked.shape[-1]).unsqueeze(1)  # [B, 1]
+        threshold = ranked.gather(1, k - 1).masked_fill_((batch.top_ks < 1).unsqueeze(1), float("-inf"))
+        if batch.any_top_p:
+            ranked.masked_fill_(ranked < threshold, float("-inf"))
+    if batch.any_top_p:
+        probs = ranked.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
+        num_kept = (mass_before < batch.top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)  # [B, 1]
+        cutoff = ranked.gather(1, num_kept - 1).masked_fill_((batch.top_ps >= 1).unsqueeze(1), float("-inf"))
+        threshold = torch.maximum(threshold, cutoff)
+    return logits.masked_fill_(logits < threshold, float("-inf"))
 
-# %% ../../notebooks/06_sampler.ipynb #b4f3d569
+# %% ../../notebooks/06_sampler.ipynb #737cd18c
 def draw_exponentials(like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Exp(1) noise shaped like `like` [B, V]: seeded rows from their own generator, the rest from the global one."""
     noise = torch.empty_like(like, dtype=torch.float32)
@@ -122,7 +122,20 @@ def draw_exponentials(like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
                 noise[row].exponential_(generator=generator)
     return noise.clamp_min_(1e-10)
 
-# %% ../../notebooks/06_sampler.ipynb #9a660a4a
+# %% ../../notebooks/06_sampler.ipynb #8a0f4e80
+@maybe_compile
+def _scale(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """logits / temperature in float32 (greedy rows, temperature 0, divide by 1)."""
+    return logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)  # [B, V] float32
+
+
+@maybe_compile
+def _race(scaled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax of p_i / E_i per row, with p left unnormalised (the softmax's sum cancels)."""
+    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()  # [B, V], softmax without the division
+    return (weights / noise).argmax(dim=-1)  # [B]
+
+
 class Sampler(nn.Module):
     """Turns one row of logits per sequence into one token id: greedy, or temperature + top-k + top-p sampling."""
 
@@ -137,9 +150,6 @@ class Sampler(nn.Module):
         greedy = logits.argmax(dim=-1)  # [B]
         if batch.all_greedy:
             return greedy
-        temperatures = batch.temperatures.unsqueeze(1)  # [B, 1]
-        scaled = logits.float() / torch.where(temperatures > 0, temperatures, 1.0)  # [B, V] float32, a fresh tensor
-        scaled = apply_top_k_top_p(scaled, batch)
-        probs = scaled.softmax(dim=-1)
-        sampled = probs.div_(draw_exponentials(probs, batch)).argmax(dim=-1)  # [B]
+        scaled = apply_top_k_top_p(_scale(logits, batch.temperatures), batch)  # [B, V] float32, a fresh tensor
+        sampled = _race(scaled, draw_exponentials(scaled, batch))  # [B]
         return torch.where(batch.temperatures > 0, sampled, greedy)
