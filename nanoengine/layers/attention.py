@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['varlen_causal_attention', 'Attention']
 
-# %% ../../notebooks/05b_attention.ipynb #0954a19c
+# %% ../../notebooks/05b_attention.ipynb #58d9b6bd
 import torch
 from torch import nn
 
@@ -32,7 +32,7 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 class Attention(nn.Module):
-    """Causal self-attention over the packed batch described by the current Context (no KV cache yet)."""
+    """Causal self-attention over the packed batch of the current Context; paged through `backend` once one is bound."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
@@ -40,10 +40,13 @@ class Attention(nn.Module):
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
+        self.backend = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D], k and v [N, Hk, D] -> [N, Hq, D]."""
         context = get_context()
+        if self.backend is not None:
+            return self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale)
         if context.cu_seqlens_q is None:
             raise RuntimeError("Attention needs the batch layout: call set_context(is_prefill=True, cu_seqlens_q=...) "
                                "before the forward pass")

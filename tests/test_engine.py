@@ -1,0 +1,149 @@
+"""End-to-end engine tests on CPU: exactness against transformers, ordering, leaks, errors, streaming."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.utils.checkpoint import write_random_checkpoint
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def small_llm(ckpt):
+    return LLM(ckpt, device="cpu", kvcache_block_size=16, num_kvcache_blocks=24, max_num_batched_tokens=64,
+               max_model_len=512)
+
+
+def transformers_greedy(hf, prompt: list[int], eos_ids, max_new: int = MAX_NEW) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=max_new, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
+def test_greedy_equals_transformers_with_chunking_prefix_hits_and_preemption(small_llm, hf):
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 380, (70,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 380, (n,), generator=g).tolist() for n in (5, 17, 33, 2, 40, 9, 26)]
+    prompts.append(list(prompts[2]))
+    expected = [transformers_greedy(hf, p, small_llm.eos_token_ids) for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    small_llm.trace.clear()
+    hits_before = small_llm.scheduler.block_manager.num_hit_blocks
+    first = [o["token_ids"] for o in small_llm.generate(prompts, greedy, use_tqdm=False)]
+    trace = list(small_llm.trace)
+    assert first == expected
+    assert any(r.is_prefill and r.num_tokens == 64 for r in trace), "a prompt was chunked"
+    assert sum(r.num_preempted for r in trace) > 0, "preemption happened"
+    assert small_llm.scheduler.block_manager.num_hit_blocks > hits_before, "the shared prefix was reused"
+    second = [o["token_ids"] for o in small_llm.generate(prompts, greedy, use_tqdm=False)]
+    assert second == expected, "warm prefix cache"
+    again = small_llm.generate([prompts[2]], greedy, use_tqdm=False)[0]["token_ids"]
+    assert again == expected[2], "a repeated prompt (full cache hit)"
+    bm = small_llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_two_thousand_requests_finish_in_input_order_without_leaking(ckpt):
+    llm = LLM(ckpt, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+    prompts = [[(7 * i) % 300 + 1, (3 * i) % 200 + 1, i % 97 + 1][: 1 + i % 3] for i in range(2000)]
+    params = [SamplingParams(temperature=0, max_tokens=1 + i % 5, ignore_eos=True) for i in range(2000)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outs] == [1 + i % 5 for i in range(2000)]
+    assert [o["prompt_token_ids"] for o in outs] == prompts
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.used_block_ids
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda llm: llm.generate([[5] * 500], SamplingParams(max_tokens=20)), ValueError, "max_model_len"),
+    (lambda llm: llm.generate([[5] * 300], SamplingParams(max_tokens=200)), ValueError, "KV blocks"),
+    (lambda llm: llm.generate([""]), ValueError, "empty"),
+    (lambda llm: llm.generate([[]]), ValueError, "empty"),
+    (lambda llm: llm.generate([[1, 2, 10**6]]), ValueError, "outside the vocabulary"),
+    (lambda llm: llm.generate([[1, -3]]), ValueError, "outside the vocabulary"),
+    (lambda llm: llm.generate([[1, 2.5]]), TypeError, "ints"),
+    (lambda llm: llm.generate([3.14]), TypeError, "prompt 0"),
+    (lambda llm: llm.generate(["a", "b"], [SamplingParams()] * 3), ValueError, "one per prompt"),
+    (lambda llm: llm.generate(["a"], [{"temperature": 0}]), TypeError, "SamplingParams"),
+    (lambda llm: SamplingParams(temperature=-1), ValueError, "temperature"),
+])
+def test_bad_input_is_rejected_before_any_work_and_the_engine_keeps_serving(small_llm, call, error, message):
+    steps_before = small_llm.scheduler.num_steps
+    with pytest.raises(error, match=message):
+        call(small_llm)
+    assert small_llm.scheduler.num_steps == steps_before and small_llm.is_finished(), "no work was done"
+    out = small_llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0]["token_ids"]) >= 1
+
+
+def test_bad_engine_arguments(ckpt, tmp_path):
+    with pytest.raises(TypeError, match="did you mean .max_num_seqs."):
+        LLM(ckpt, device="cpu", max_num_seq=8)
+    with pytest.raises(OSError, match="no/such"):
+        LLM("/no/such/model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(OSError, match="config.json"):
+        LLM(tmp_path / "empty")
+    with pytest.raises(ValueError, match="kvcache_block_size"):
+        LLM(ckpt, device="cpu", kvcache_block_size=24)
+    with pytest.raises(ValueError, match="flash"):
+        LLM(ckpt, device="cpu", attention_backend="flash")
+
+
+def test_defaults_on_cpu_and_string_dtypes(ckpt):
+    llm = LLM(ckpt, kvcache_block_size=16, max_model_len=128)
+    assert llm.config.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        assert llm.config.dtype == torch.float32 and llm.config.num_kvcache_blocks >= 8
+    bf16 = LLM(ckpt, device="cpu", dtype="bfloat16", kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=128)
+    assert bf16.model_runner.kv_cache.dtype == torch.bfloat16
+    assert len(bf16.generate(["hi"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]["token_ids"]) > 0
+
+
+def test_stream_yields_the_same_tokens_as_generate_and_chat_works(small_llm):
+    params = SamplingParams(temperature=0, max_tokens=6)
+    prompts = ["Once upon a time", "In a galaxy far away"]
+    collected = {0: [], 1: []}
+    finished = []
+    for event in small_llm.stream(prompts, params):
+        collected[event.index] += event.token_ids
+        if event.finished:
+            finished.append(event.index)
+    reference = small_llm.generate(prompts, params, use_tqdm=False)
+    assert [collected[0], collected[1]] == [r["token_ids"] for r in reference]
+    assert sorted(finished) == [0, 1]
+    reply = small_llm.chat([{"role": "user", "content": "Hello"}], params, use_tqdm=False)
+    assert 1 <= len(reply[0]["token_ids"]) <= 6
+
+
+def test_abandoned_stream_frees_its_blocks(small_llm):
+    stream = small_llm.stream(["a long enough prompt for a few blocks"] * 3, SamplingParams(max_tokens=20))
+    next(stream)
+    stream.close()
+    bm = small_llm.scheduler.block_manager
+    assert small_llm.is_finished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(small_llm):
+    seeded = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=11, max_tokens=10)
+    alone = small_llm.generate([[4, 5, 6, 7]], seeded, use_tqdm=False)[0]["token_ids"]
+    crowd = small_llm.generate([[9, 9], [4, 5, 6, 7], [1]], [SamplingParams(max_tokens=10), seeded,
+                                                             SamplingParams(temperature=0.5, max_tokens=10)],
+                               use_tqdm=False)
+    assert crowd[1]["token_ids"] == alone
