@@ -1,0 +1,12 @@
+"""Shared pytest setup: tests marked `gpu` run only where CUDA is available."""
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
