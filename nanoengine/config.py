@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ATTENTION_BACKENDS', 'DTYPES', 'resolve_device', 'resolve_dtype', 'Config', 'load_hf_config']
 
-# %% ../notebooks/01c_config.ipynb #0f56797b
+# %% ../notebooks/01c_config.ipynb #50305ac4
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +26,7 @@ DTYPES: dict[str, torch.dtype] = {
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The engine's device: CUDA when available unless told otherwise; an unusable device is a ValueError."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if not isinstance(device, (str, torch.device)):
         raise InvalidTypeError(f"device must be a string or torch.device, got {device!r}")
     try:
@@ -37,6 +37,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was requested but torch sees no CUDA GPU; use device='cpu'")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

@@ -12,8 +12,9 @@ NEAR_TIE = 0.125  # bf16 logits near 4 are spaced 1/32 apart; a gap within 4 suc
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
+    # head_dim 128 like Qwen3's: the trimmed flash-attn build of ../shared/device has only head-dim-128 kernels
     return write_random_checkpoint(tmp_path_factory.mktemp("gpu") / "tiny-bf16", "tiny", seed=0,
-                                   tie_word_embeddings=False, dtype="bfloat16")
+                                   tie_word_embeddings=False, dtype="bfloat16", head_dim=128, hidden_size=256)
 
 
 def prompts_with_shared_prefix(n: int = 12, seed: int = 0) -> list[list[int]]:
