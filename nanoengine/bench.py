@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['BENCH_PROMPT_TOKENS', 'BENCH_OUTPUT_TOKENS', 'ABLATIONS', 'bench_workload', 'provenance', 'ensure_checkpoint',
-           'measure_throughput', 'measure_latency', 'measure_decode_sweep', 'run_ablations', 'main']
+           'measure_throughput', 'measure_latency', 'measure_decode_sweep', 'measure_step_profile', 'run_ablations',
+           'main']
 
 # %% ../notebooks/13_benchmarks.ipynb #ffc3dcd6
 import argparse
@@ -35,7 +36,7 @@ def bench_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_le
               for _ in range(num_seqs)]
     return prompts, params
 
-# %% ../notebooks/13_benchmarks.ipynb #40240792
+# %% ../notebooks/13_benchmarks.ipynb #dd62e6f7
 def provenance() -> dict:
     """Where and with what a measurement was made."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -76,6 +77,7 @@ def measure_throughput(llm, num_seqs: int = 256, max_input_len: int = 1024, max_
     """Output tokens per second on the benchmark workload, after one warm-up request."""
     prompts, params = bench_workload(num_seqs, max_input_len, max_output_len)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    first_step = llm.scheduler.num_steps
     _sync()
     start = perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -84,8 +86,14 @@ def measure_throughput(llm, num_seqs: int = 256, max_input_len: int = 1024, max_
     num_output = sum(len(o["token_ids"]) for o in outputs)
     if num_output != sum(p.max_tokens for p in params):
         raise RuntimeError(f"generated {num_output} tokens, expected {sum(p.max_tokens for p in params)}")
+    steps = [r for r in llm.trace if r.step > first_step]
+    prefill, decode = [r for r in steps if r.is_prefill], [r for r in steps if not r.is_prefill]
     return {"requests": num_seqs, "prompt_tokens": sum(map(len, prompts)), "output_tokens": num_output,
-            "seconds": seconds, "output_tok_per_s": num_output / seconds}
+            "seconds": seconds, "output_tok_per_s": num_output / seconds,
+            "prefill_steps": len(prefill), "prefill_seconds": sum(r.seconds for r in prefill),
+            "decode_steps": len(decode), "decode_seconds": sum(r.seconds for r in decode),
+            "mean_decode_batch": sum(r.num_seqs for r in decode) / max(1, len(decode)),
+            "preemptions": sum(r.num_preempted for r in steps)}
 
 
 def measure_latency(llm, prompt_len: int = 100, extra_tokens: int = 512, repeats: int = 3) -> dict:
@@ -141,6 +149,33 @@ def measure_decode_sweep(llm, batch_sizes: list[int], context: int = 512, steps:
     return result
 
 
+def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int = 20) -> dict:
+    """Where a decode step's time goes: wall time vs GPU kernel time per step, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    seqs = [llm.add_request([1 + (i * 7 + j) % 1000 for j in range(context)],
+                            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 8)) for i in range(batch)]
+    while any(s.num_completion_tokens == 0 for s in seqs):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    _sync()
+    with profile(activities=activities) as prof:
+        start = perf_counter()
+        for _ in range(steps):
+            llm.step()
+        _sync()
+        wall = perf_counter() - start
+    for s in seqs:
+        llm.scheduler.abort(s)
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events) if torch.cuda.is_available() else 0.0
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    return {"batch": batch, "context": context, "wall_ms_per_step": 1000 * wall / steps,
+            "gpu_kernel_ms_per_step": gpu_us / 1000 / steps,
+            "top_gpu_ops": [(e.key, e.self_device_time_total / 1000 / steps) for e in top]}
+
+
 ABLATIONS = {
     "all optimisations": {},
     "no CUDA graphs": {"enforce_eager": True},
@@ -177,19 +212,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--latency", action="store_true", help="batch-1 decode: ms per output token")
     p.add_argument("--decode-sweep", action="store_true", help="decode step time vs batch size, eager and graphs")
     p.add_argument("--ablations", action="store_true", help="throughput with each optimisation switched off")
+    p.add_argument("--profile", action="store_true", help="decode step at batch 256: wall vs GPU kernel time")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--engine-json", default="{}", help='extra LLM(...) keywords as JSON, e.g. \'{"enforce_eager": true}\'')
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
-    if not (args.throughput or args.latency or args.decode_sweep or args.ablations):
-        p.error("choose at least one of --throughput, --latency, --decode-sweep, --ablations")
+    if not (args.throughput or args.latency or args.decode_sweep or args.ablations or args.profile):
+        p.error("choose at least one of --throughput, --latency, --decode-sweep, --ablations, --profile")
     from nanoengine import LLM
     model = Path(args.model) if args.model else ensure_checkpoint(args.preset)
     engine_kwargs = {"max_model_len": 4096, **json.loads(args.engine_json)}
     results: dict = {"provenance": provenance(), "engine": engine_kwargs, "model": str(model)}
-    if args.throughput or args.latency or args.decode_sweep:
+    if args.throughput or args.latency or args.decode_sweep or args.profile:
         llm = LLM(model, **engine_kwargs)
         results["engine_info"] = {"num_kvcache_blocks": llm.config.num_kvcache_blocks,
                                   "attention_backend": type(llm.model_runner.backend).__name__,
@@ -205,6 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.decode_sweep:
             results["decode_sweep"] = measure_decode_sweep(llm, [1, 2, 4, 8, 16, 32, 64, 128, 256])
             print("decode sweep:", json.dumps(results["decode_sweep"]))
+        if args.profile:
+            results["profile"] = measure_step_profile(llm)
+            print("profile:", json.dumps(results["profile"]))
         del llm
     if args.ablations:
         out_dir = Path(tempfile.mkdtemp())
