@@ -27,7 +27,7 @@ def prompts_with_shared_prefix(n: int = 12, seed: int = 0) -> list[list[int]]:
 def test_cuda_graph_decode_equals_eager_decode_token_for_token(ckpt):
     prompts = prompts_with_shared_prefix()
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    kwargs = dict(kvcache_block_size=256, num_kvcache_blocks=24, max_num_seqs=13, max_model_len=1024,
+    kwargs = dict(kvcache_block_size=256, num_kvcache_blocks=10, max_num_seqs=13, max_model_len=1024,
                   max_num_batched_tokens=512)
     eager = LLM(ckpt, enforce_eager=True, **kwargs)
     eager_out = [o["token_ids"] for o in eager.generate(prompts, greedy, use_tqdm=False)]
@@ -40,26 +40,26 @@ def test_cuda_graph_decode_equals_eager_decode_token_for_token(ckpt):
 
 
 def test_greedy_equals_transformers_in_bfloat16_up_to_near_ties(ckpt):
+    """Teacher-forced: every token the engine chose is transformers' argmax, or within NEAR_TIE of it."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda().eval()
     llm = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=32, max_model_len=1024, max_num_batched_tokens=512)
     prompts = prompts_with_shared_prefix(16, seed=1)
     ours = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32,
                                                                           ignore_eos=True), use_tqdm=False)]
-    num_ties = 0
+    num_tokens = num_ties = 0
+    worst = 0.0
     for prompt, mine in zip(prompts, ours):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt], device="cuda"), do_sample=False, max_new_tokens=32,
-                              min_new_tokens=32, pad_token_id=0)[0, len(prompt):].tolist()
-        if ref == mine:
-            continue
-        k = next(i for i, (a, b) in enumerate(zip(ref, mine)) if a != b)
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + ref[:k]], device="cuda")).logits[0, -1].float()
-        gap = abs(logits[ref[k]] - logits[mine[k]]).item()
-        assert gap <= NEAR_TIE, f"prompt diverges at token {k} with a logit gap of {gap:.3f}: not a near-tie"
-        num_ties += 1
-    assert num_ties <= 3, f"{num_ties} of {len(prompts)} prompts diverged (all at near-ties)"
+            logits = hf(torch.tensor([prompt + mine[:-1]], device="cuda")).logits[0, len(prompt) - 1:].float()
+        chosen = logits.gather(1, torch.tensor(mine, device="cuda")[:, None]).squeeze(1)  # [32]
+        gaps = logits.max(dim=1).values - chosen
+        worst = max(worst, gaps.max().item())
+        num_tokens += len(mine)
+        num_ties += int((gaps > 0).sum())
+    print(f"{num_ties} of {num_tokens} greedy tokens were not transformers' exact argmax; largest gap {worst:.4f}")
+    assert worst <= NEAR_TIE, f"a token {worst:.3f} below transformers' best: more than a bf16 near-tie"
+    assert num_ties <= num_tokens // 20, f"{num_ties} of {num_tokens} tokens differ from transformers' argmax"
 
 
 def test_flash_backend_is_chosen_automatically_when_available(ckpt):

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['CPU_KV_BUDGET_BYTES', 'kv_block_bytes', 'default_cpu_num_blocks', 'rank_device', 'min_over_ranks', 'ModelRunner']
 
-# %% ../../notebooks/09_model_runner.ipynb #4f1ab783
+# %% ../../notebooks/09_model_runner.ipynb #6c286515
 import math
 import os
 from typing import Callable
@@ -157,8 +157,13 @@ class ModelRunner:
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """Block tables padded with -1 to the longest: [num_seqs, max_blocks]."""
-        width = max(len(seq.block_table) for seq in seqs)
-        return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
+        lengths = [len(seq.block_table) for seq in seqs]
+        flat = [block for seq in seqs for block in seq.block_table]
+        table = torch.full((len(seqs), max(lengths)), -1, dtype=torch.int32)
+        table[torch.arange(table.shape[1]) < torch.tensor(lengths)[:, None]] = torch.tensor(flat, dtype=torch.int32)
+        if self.device.type == "cuda":
+            return table.pin_memory().to(self.device, non_blocking=True)
+        return table
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack the scheduled chunks of a prefill step; publish its attention layout."""
@@ -189,18 +194,18 @@ class ModelRunner:
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack one new token per sequence; publish slots, context lengths and block tables."""
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [seq.num_tokens - 1 for seq in seqs]
-        slot_mapping = [seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1 for seq in seqs]
-        set_context(is_prefill=False, slot_mapping=self._tensor(slot_mapping, torch.int32),
-                    context_lens=self._tensor([seq.num_tokens for seq in seqs], torch.int32),
-                    block_tables=self._block_tables(seqs))
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)  # [B], [B]
+        b, width = self.block_size, max(len(seq.block_table) for seq in seqs)
+        rows = [[seq.last_token, seq.num_tokens - 1, seq.block_table[-1] * b + (seq.num_tokens - 1) % b,
+                 seq.num_tokens, *seq.block_table, *[-1] * (width - len(seq.block_table))] for seq in seqs]
+        packed = self._tensor(rows, torch.int64)  # [B, 4 + max_blocks]: one host-to-device copy per step
+        set_context(is_prefill=False, slot_mapping=packed[:, 2].contiguous(),
+                    context_lens=packed[:, 3].to(torch.int32), block_tables=packed[:, 4:].to(torch.int32))
+        return packed[:, 0].contiguous(), packed[:, 1].contiguous()  # input_ids [B], positions [B]
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
         """Each sequence's sampling settings; a row samples the token at index num_tokens of its sequence."""
         return SamplingBatch.from_params([seq.sampling_params for seq in seqs], [seq.num_tokens for seq in seqs],
-                                         device=self.device)
+                                         device=self.device, check=False)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:

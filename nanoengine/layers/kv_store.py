@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['check_kv_layout', 'store_kv_torch', 'store_kv_triton', 'store_kv']
 
-# %% ../../notebooks/07_kv_store.ipynb #bd0acd05
+# %% ../../notebooks/07_kv_store.ipynb #03f7ed00
 import torch
 
 try:
@@ -48,6 +48,8 @@ def check_kv_layout(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be an integer tensor of shape [{num_tokens}], got "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous (the kernel reads slot i at offset i)")
     if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
         raise ValueError(f"key/value dtype {key.dtype} does not match the cache dtype {k_cache.dtype}")
     devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}

@@ -31,7 +31,7 @@ def mix_seed(seed: int, position: int) -> int:
     """The 63-bit generator seed for the token at `position` of a request seeded with `seed`."""
     return splitmix64(splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
 
-# %% ../../notebooks/06_sampler.ipynb #6cb8fbe6
+# %% ../../notebooks/06_sampler.ipynb #daba0729
 def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A small host list as a tensor on `device` (pinned and non-blocking when that is a GPU)."""
     t = torch.tensor(values, dtype=dtype)
@@ -60,29 +60,41 @@ class SamplingBatch:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], positions: list[int],
-                    device: torch.device | str = "cpu") -> "SamplingBatch":
-        """Build the batch; `positions[i]` is the index in its sequence of the token row i samples."""
-        if len(params) != len(positions):
-            raise ValueError(f"params and positions must have the same length, got {len(params)} and {len(positions)}")
-        for i, sp in enumerate(params):
-            if not isinstance(sp, SamplingParams):
-                raise TypeError(f"params[{i}] must be a SamplingParams, got {type(sp).__name__}")
-        positions = [check_int(f"positions[{i}]", pos, minimum=0) for i, pos in enumerate(positions)]
-        sampled = [sp.temperature > 0 for sp in params]
-        top_ks = [sp.top_k if s and sp.top_k > 0 else -1 for sp, s in zip(params, sampled)]
-        top_ps = [sp.top_p if s else 1.0 for sp, s in zip(params, sampled)]
-        seeds = [mix_seed(sp.seed, pos) if s and sp.seed is not None else None
-                 for sp, s, pos in zip(params, sampled, positions)]
+                    device: torch.device | str = "cpu", *, check: bool = True) -> "SamplingBatch":
+        """Build the batch; `positions[i]` is the index in its sequence of the token row i samples.
+
+        The engine passes `check=False`: its rows were validated when the requests were added."""
+        if check:
+            if len(params) != len(positions):
+                raise ValueError(f"params and positions must have the same length, got {len(params)} and "
+                                 f"{len(positions)}")
+            for i, sp in enumerate(params):
+                if not isinstance(sp, SamplingParams):
+                    raise TypeError(f"params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+            positions = [check_int(f"positions[{i}]", pos, minimum=0) for i, pos in enumerate(positions)]
+        temperatures, top_ks, top_ps, seeds = [], [], [], []
+        for sp, pos in zip(params, positions):
+            temperatures.append(float(sp.temperature))
+            if sp.temperature > 0:
+                top_ks.append(sp.top_k if sp.top_k > 0 else -1)
+                top_ps.append(sp.top_p)
+                seeds.append(None if sp.seed is None else mix_seed(sp.seed, pos))
+            else:
+                top_ks.append(-1)
+                top_ps.append(1.0)
+                seeds.append(None)
+        floats = _to_device([temperatures, top_ps], torch.float32, device)  # [2, B]: one host-to-device copy
+        any_top_k = any(k > 0 for k in top_ks)
         return cls(
-            temperatures=_to_device([float(sp.temperature) for sp in params], torch.float32, device),
+            temperatures=floats[0],
             top_ks=_to_device(top_ks, torch.int64, device),
-            top_ps=_to_device(top_ps, torch.float32, device),
+            top_ps=floats[1],
             seeds=seeds,
-            max_top_k=max(top_ks, default=-1) if any(k > 0 for k in top_ks) else 0,
-            all_greedy=not any(sampled),
-            any_top_k=any(k > 0 for k in top_ks),
+            max_top_k=max(top_ks) if any_top_k else 0,
+            all_greedy=not any(t > 0 for t in temperatures),
+            any_top_k=any_top_k,
             any_top_p=any(p < 1.0 for p in top_ps),
-            any_seeded=any(s is not None for s in seeds),
+            any_seeded=any(seed is not None for seed in seeds),
         )
 
 # %% ../../notebooks/06_sampler.ipynb #64de2d6d
