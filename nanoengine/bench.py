@@ -36,7 +36,7 @@ def bench_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_le
               for _ in range(num_seqs)]
     return prompts, params
 
-# %% ../notebooks/13_benchmarks.ipynb #dd62e6f7
+# %% ../notebooks/13_benchmarks.ipynb #094c2872
 def provenance() -> dict:
     """Where and with what a measurement was made."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -181,7 +181,7 @@ ABLATIONS = {
     "no CUDA graphs": {"enforce_eager": True},
     "no torch.compile": {"env": {"NANOENGINE_COMPILE": "0"}},
     "no prefix caching": {"enable_prefix_caching": False},
-    "torch attention": {"attention_backend": "torch"},
+    "torch attention": {"attention_backend": "torch", "gpu_memory_utilization": 0.5},
 }
 
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['compile_enabled', 'maybe_compile']
 
-# %% ../../notebooks/04c_compile.ipynb #f9fa7826
+# %% ../../notebooks/04c_compile.ipynb #77772167
 import functools
 import os
 from typing import Callable
@@ -27,12 +27,15 @@ def _has_cuda_tensor(args: tuple, kwargs: dict) -> bool:
 
 
 def maybe_compile(fn: Callable) -> Callable:
-    """Call `torch.compile(fn, dynamic=True)` when an input is on CUDA and compiling is enabled; else `fn` eagerly."""
+    """`torch.compile(fn)` (dim 0 dynamic) when an input is on CUDA and compiling is enabled; else `fn` eagerly."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if _has_cuda_tensor(args, kwargs) and compile_enabled():
             if wrapper.compiled is None:
-                wrapper.compiled = torch.compile(fn, dynamic=True)
+                wrapper.compiled = torch.compile(fn)
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor) and a.dim():
+                    torch._dynamo.maybe_mark_dynamic(a, 0)  # tokens/rows vary every step; other dims stay static
             return wrapper.compiled(*args, **kwargs)
         return fn(*args, **kwargs)
 
