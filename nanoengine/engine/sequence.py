@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SequenceStatus', 'Sequence']
 
-# %% ../../notebooks/01d_sequence.ipynb #1cd52245
+# %% ../../notebooks/01d_sequence.ipynb #40f88880
 from enum import Enum, auto
 from itertools import count
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['Context', 'get_context', 'set_context', 'reset_context']
 
-# %% ../../notebooks/04a_context.ipynb #612ad5e0
+# %% ../../notebooks/04a_context.ipynb #16a7ce9f
 from dataclasses import dataclass
 
 import torch

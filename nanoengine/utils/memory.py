@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['qwen3_num_params', 'kv_cache_bytes_per_token', 'num_kv_blocks_that_fit', 'KVPoolPlan', 'plan_kv_pool']
 
-# %% ../../notebooks/00_orientation.ipynb #72d613bb
+# %% ../../notebooks/00_orientation.ipynb #dec592fa
 import math
 import numbers
 from dataclasses import dataclass
@@ -15,7 +15,7 @@ import torch
 
 from .checks import check_float, check_int, check_power_of_two
 
-# %% ../../notebooks/00_orientation.ipynb #5369ec02
+# %% ../../notebooks/00_orientation.ipynb #7375c3c2
 def _config_int(hf_config: Any, name: str, default: int | None = None) -> int:
     """Read a positive integer field of a model config, raising ValueError naming it when absent or invalid."""
     value = getattr(hf_config, name, None)
@@ -54,7 +54,7 @@ def qwen3_num_params(hf_config: Any) -> int:
     embeddings = vocab * hidden * (1 if getattr(hf_config, "tie_word_embeddings", False) else 2)
     return embeddings + num_layers * (attention + mlp + norms) + hidden
 
-# %% ../../notebooks/00_orientation.ipynb #b7d5f593
+# %% ../../notebooks/00_orientation.ipynb #4bdfd68f
 def _itemsize(dtype: torch.dtype | int) -> int:
     """Bytes per element of a torch.dtype, or a positive number of bytes given directly."""
     if isinstance(dtype, torch.dtype):
@@ -77,7 +77,7 @@ def kv_cache_bytes_per_token(hf_config: Any, dtype: torch.dtype | int = torch.bf
         raise ValueError(f"tensor_parallel_size ({tp}) must divide hf_config.num_key_value_heads ({num_kv_heads})")
     return 2 * num_layers * (num_kv_heads // tp) * head_dim * itemsize
 
-# %% ../../notebooks/00_orientation.ipynb #0eb0153c
+# %% ../../notebooks/00_orientation.ipynb #8a125954
 def num_kv_blocks_that_fit(free_bytes: int, bytes_per_token: int, block_size: int) -> int:
     """How many whole KV blocks of `block_size` tokens fit in `free_bytes`."""
     free_bytes = check_int("free_bytes", free_bytes, minimum=0)
@@ -85,7 +85,7 @@ def num_kv_blocks_that_fit(free_bytes: int, bytes_per_token: int, block_size: in
     block_size = check_power_of_two("block_size", block_size)
     return free_bytes // (bytes_per_token * block_size)
 
-# %% ../../notebooks/00_orientation.ipynb #b6464176
+# %% ../../notebooks/00_orientation.ipynb #a610db05
 @dataclass(slots=True, frozen=True)
 class KVPoolPlan:
     """How a GPU's memory splits into weights, activations, KV pool and headroom."""
