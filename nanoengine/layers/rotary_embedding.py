@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['apply_rotary_emb', 'RotaryEmbedding', 'get_rope']
 
-# %% ../../notebooks/04f_rotary_embedding.ipynb #d4490128
+# %% ../../notebooks/04f_rotary_embedding.ipynb #501f7f14
 from functools import lru_cache
 
 import torch
@@ -53,14 +53,17 @@ class RotaryEmbedding(nn.Module):
         return f"head_size={self.head_size}, max_position={self.max_position_embeddings}, base={self.base:g}"
 
 
-@lru_cache(maxsize=1)
-def _cached_rope(head_size: int, rotary_dim: int, max_position: int, base: float) -> RotaryEmbedding:
-    return RotaryEmbedding(head_size, rotary_dim, max_position, base)
+@lru_cache(maxsize=8)
+def _cached_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
+                 device: torch.device) -> RotaryEmbedding:
+    with torch.device(device):
+        return RotaryEmbedding(head_size, rotary_dim, max_position, base)
 
 
 def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
              rope_scaling: dict | None = None) -> RotaryEmbedding:
-    """The shared RotaryEmbedding for these sizes; rope_scaling must be None or of rope_type 'default'."""
+    """The RotaryEmbedding shared by every layer for these sizes on the current default device; rope_scaling must be
+    None or of rope_type 'default'."""
     if rope_scaling is not None:
         if not isinstance(rope_scaling, dict):
             raise ValueError(f"rope_scaling must be None or a dict, got {rope_scaling!r}")
@@ -68,4 +71,4 @@ def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
         if rope_type != "default":
             raise ValueError(f"rope_scaling with rope_type={rope_type!r} is not supported (only plain RoPE)")
         base = rope_scaling.get("rope_theta", base)
-    return _cached_rope(head_size, rotary_dim, max_position, float(base))
+    return _cached_rope(head_size, rotary_dim, max_position, float(base), torch.empty(0).device)
