@@ -210,30 +210,29 @@ def test_missing_context_fields_are_named():
 
 # --- Attention binds a backend ----------------------------------------------------------------------------------------
 
+def attend(attn: Attention, step) -> torch.Tensor:
+    """Run an Attention module on a step with the step's context published."""
+    set_context(**{f: getattr(step.ctx, f) for f in Context.__slots__})
+    try:
+        return attn(step.q, step.k, step.v)
+    finally:
+        reset_context()
+
+
 def test_attention_uses_the_bound_backend_and_cache():
     attn = Attention(num_heads=4, head_dim=8, scale=8 ** -0.5, num_kv_heads=2)
     assert attn.backend is None
     for step in (make_step([(5, 3), (0, 4)]), make_step([(5, 1), (11, 1)], decode=True, num_pad=1)):
         want_k, _ = expected_cache(step)
         attn.k_cache, attn.v_cache, attn.backend = step.k_cache, step.v_cache, TorchBackend()
-        set_context(**{f: getattr(step.ctx, f) for f in Context.__slots__})
-        try:
-            out = attn(step.q, step.k, step.v)
-        finally:
-            reset_context()
-        torch.testing.assert_close(out.double(), dense_attention(step), atol=1e-5, rtol=0)
+        torch.testing.assert_close(attend(attn, step).double(), dense_attention(step), atol=1e-5, rtol=0)
         torch.testing.assert_close(step.k_cache, want_k, atol=0, rtol=0, equal_nan=True)
 
 
 def test_attention_without_backend_keeps_the_plain_path():
     attn = Attention(num_heads=4, head_dim=8, scale=8 ** -0.5, num_kv_heads=2)
     step = make_step([(0, 5), (0, 2)])
-    set_context(**{f: getattr(step.ctx, f) for f in Context.__slots__})
-    try:
-        out = attn(step.q, step.k, step.v)
-    finally:
-        reset_context()
-    torch.testing.assert_close(out.double(), dense_attention(step), atol=1e-5, rtol=0)
+    torch.testing.assert_close(attend(attn, step).double(), dense_attention(step), atol=1e-5, rtol=0)
 
 
 # --- choosing a backend -----------------------------------------------------------------------------------------------
