@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SamplingParams']
 
-# %% ../notebooks/01b_sampling_params.ipynb #93cc7048
+# %% ../notebooks/01b_sampling_params.ipynb #71a35af8
 import math
 from dataclasses import dataclass
 

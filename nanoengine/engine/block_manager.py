@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['NO_HASH', 'hash_block', 'Block', 'BlockManager', 'check_invariants']
 
-# %% ../../notebooks/02_block_manager.ipynb #34eab079
+# %% ../../notebooks/02_block_manager.ipynb #1eb7f1e4
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -147,7 +147,7 @@ class BlockManager:
             block.hash, block.token_ids = h, token_ids
             self.hash_to_block_id[h] = block.block_id
 
-# %% ../../notebooks/02_block_manager.ipynb #f424ee6e
+# %% ../../notebooks/02_block_manager.ipynb #d1d61ccd
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     """Raise RuntimeError naming the first broken invariant of `bm`, given every sequence that holds blocks."""
     def fail(msg: str):

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['ScheduledBatch', 'Scheduler']
 
-# %% ../../notebooks/03_scheduler.ipynb #55103160
+# %% ../../notebooks/03_scheduler.ipynb #c5645d8c
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -61,7 +61,7 @@ class Scheduler:
                              f"exceeds max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens")
         needed = -(-(total - 1) // self.block_size)
         if needed > self.block_manager.num_blocks:
-            raise ValueError(f"the request needs up to {needed} KV blocks ({total - 1} tokens of "
+            raise ValueError(f"the request needs up to {needed} KV blocks ({total - 1} tokens in blocks of "
                              f"{self.block_size}) but the whole KV cache has {self.block_manager.num_blocks}; "
                              "lower max_tokens, or give the engine more KV memory")
 

@@ -6,7 +6,7 @@
 __all__ = ['divide', 'copy_shard', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
            'QKVParallelLinear', 'RowParallelLinear']
 
-# %% ../../notebooks/04_layers.ipynb #6a48278e
+# %% ../../notebooks/04_layers.ipynb #662d6d3b
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,7 +82,7 @@ class ColumnParallelLinear(LinearBase):
                              f"got {loaded_weight.size(0)}")
         copy_shard(param.data, loaded_weight.narrow(0, self.tp_rank * size, size), "ColumnParallelLinear")
 
-# %% ../../notebooks/04_layers.ipynb #af1844ef
+# %% ../../notebooks/04_layers.ipynb #59878307
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stacked in one matmul (gate_up_proj); shard_id i loads output i."""
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
@@ -130,7 +130,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_shard(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size),
                    f"QKVParallelLinear shard {shard_id!r}")
 
-# %% ../../notebooks/04_layers.ipynb #d984bbf0
+# %% ../../notebooks/04_layers.ipynb #62a15c97
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed by an all-reduce, bias added on rank 0 only."""
     def __init__(self, input_size: int, output_size: int, bias: bool = False):

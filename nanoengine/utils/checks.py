@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['InvalidTypeError', 'check_int', 'check_float', 'check_bool', 'check_power_of_two']
 
-# %% ../../notebooks/01a_checks.ipynb #f9253eb3
+# %% ../../notebooks/01a_checks.ipynb #b6c5c7bb
 import math
 from numbers import Integral, Real
 
