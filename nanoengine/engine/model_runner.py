@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['CPU_KV_BUDGET_BYTES', 'kv_block_bytes', 'default_cpu_num_blocks', 'rank_device', 'min_over_ranks', 'ModelRunner']
 
-# %% ../../notebooks/09_model_runner.ipynb #6c286515
+# %% ../../notebooks/09_model_runner.ipynb #789032da
 import math
 import os
 from typing import Callable
@@ -89,7 +89,7 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = get_attention_backend(config.attention_backend, device=self.device, block_size=self.block_size)
+        self.backend = get_attention_backend(self._backend_name(), device=self.device, block_size=self.block_size)
         self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs = None
@@ -98,6 +98,16 @@ class ModelRunner:
                                            max_model_len=config.max_model_len, block_size=self.block_size,
                                            hidden_size=config.hf_config.hidden_size, dtype=self.dtype,
                                            device=self.device)
+
+    def _backend_name(self) -> str:
+        """The attention backend to ask for: FlashAttention computes only in float16/bfloat16."""
+        name = self.config.attention_backend
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            if name == "flash":
+                raise ValueError(f"attention_backend='flash' needs dtype float16 or bfloat16, got {self.dtype}")
+            if name == "auto":
+                return "torch"
+        return name
 
     def warmup(self) -> int:
         """Run the largest prefill the scheduler can produce; return its peak activation memory in bytes."""
