@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['check_kv_layout', 'store_kv_torch', 'store_kv_triton', 'store_kv']
 
-# %% ../../notebooks/07_kv_store.ipynb #03f7ed00
+# %% ../../notebooks/07_kv_store.ipynb #723e8cb6
 import torch
 
 try:
@@ -18,9 +18,9 @@ if triton is not None:
     @triton.jit
     def _store_kv_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_ptr,
                          D: tl.constexpr, BLOCK: tl.constexpr):
-        token = tl.program_id(0)
-        slot = tl.load(slot_ptr + token)
-        if slot == -1:
+        token = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_ptr + token).to(tl.int64)  # 64-bit offsets: big pools pass 2**31 elements
+        if slot < 0:
             return
         offsets = tl.arange(0, BLOCK)
         mask = offsets < D
@@ -51,7 +51,8 @@ def check_kv_layout(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     if not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous (the kernel reads slot i at offset i)")
     if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
-        raise ValueError(f"key/value dtype {key.dtype} does not match the cache dtype {k_cache.dtype}")
+        raise ValueError(f"key/value dtypes ({key.dtype}, {value.dtype}) do not match the cache dtypes "
+                         f"({k_cache.dtype}, {v_cache.dtype})")
     devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"key, value, caches and slot_mapping must be on one device, got {sorted(map(str, devices))}")
@@ -59,7 +60,7 @@ def check_kv_layout(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
 
 def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V rows at its slot, skipping slot -1 (vectorised PyTorch)."""
+    """Write each token's K/V rows at its slot, skipping negative slots such as -1 (vectorised PyTorch)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]  # [num_kept]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
@@ -68,7 +69,7 @@ def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V rows at its slot, skipping slot -1 (Triton kernel, one program per token)."""
+    """Write each token's K/V rows at its slot, skipping negative slots (Triton kernel, one program per token)."""
     if triton is None:
         raise RuntimeError("the Triton store needs the triton package; use store_kv_torch")
     num_tokens, num_heads, head_dim = key.shape
