@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['CPU_KV_BUDGET_BYTES', 'kv_block_bytes', 'default_cpu_num_blocks', 'rank_device', 'min_over_ranks', 'ModelRunner']
 
-# %% ../../notebooks/09_model_runner.ipynb #789032da
+# %% ../../notebooks/09_model_runner.ipynb #d8e20a90
 import math
 import os
 from typing import Callable
@@ -23,17 +23,15 @@ from ..models.qwen3 import Qwen3ForCausalLM
 from ..utils.context import get_context, reset_context, set_context
 from ..utils.dist import tp_rank, tp_size
 from ..utils.loader import load_model
+from ..utils.memory import kv_cache_bytes_per_token
 
 CPU_KV_BUDGET_BYTES = 256 << 20
 
 
 def kv_block_bytes(config: Config) -> int:
     """Bytes of one KV block (K and V, every layer) on one rank."""
-    hf = config.hf_config
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    num_kv_heads = max(1, hf.num_key_value_heads // config.tensor_parallel_size)
-    itemsize = torch.empty((), dtype=config.dtype).element_size()
-    return 2 * hf.num_hidden_layers * config.kvcache_block_size * num_kv_heads * head_dim * itemsize
+    return config.kvcache_block_size * kv_cache_bytes_per_token(config.hf_config, config.dtype,
+                                                                config.tensor_parallel_size)
 
 
 def default_cpu_num_blocks(config: Config) -> int:
@@ -128,12 +126,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self) -> int:
         """Size the KV pool (the smallest over the ranks), allocate it and bind it to the layers."""
-        cfg, hf = self.config, self.config.hf_config
         self.local_num_kvcache_blocks = self.kv_blocks_that_fit()
         num_blocks = min_over_ranks(self.local_num_kvcache_blocks, self.device)  # every rank: the same block ids
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        num_kv_heads = max(1, hf.num_key_value_heads // cfg.tensor_parallel_size)
-        self.kv_cache = torch.zeros(2, hf.num_hidden_layers, num_blocks, self.block_size, num_kv_heads, head_dim,
+        num_kv_heads, head_dim = self.attention_layers[0].num_kv_heads, self.attention_layers[0].head_dim
+        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size, num_kv_heads, head_dim,
                                     dtype=self.dtype, device=self.device)  # [K/V, layer, block, slot, head, dim]
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache, layer.backend = self.kv_cache[0, i], self.kv_cache[1, i], self.backend
