@@ -36,7 +36,7 @@ def bench_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_le
               for _ in range(num_seqs)]
     return prompts, params
 
-# %% ../notebooks/13_benchmarks.ipynb #094c2872
+# %% ../notebooks/13_benchmarks.ipynb #06137900
 def provenance() -> dict:
     """Where and with what a measurement was made."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -93,6 +93,7 @@ def measure_throughput(llm, num_seqs: int = 256, max_input_len: int = 1024, max_
             "prefill_steps": len(prefill), "prefill_seconds": sum(r.seconds for r in prefill),
             "decode_steps": len(decode), "decode_seconds": sum(r.seconds for r in decode),
             "mean_decode_batch": sum(r.num_seqs for r in decode) / max(1, len(decode)),
+            "decode_steps_planned_ahead": sum(r.planned_ahead for r in decode),
             "preemptions": sum(r.num_preempted for r in steps)}
 
 
@@ -141,7 +142,7 @@ def measure_decode_sweep(llm, batch_sizes: list[int], context: int = 512, steps:
             _sync()
             row.append(1000 * (perf_counter() - start) / steps)
             for s in seqs:
-                llm.scheduler.abort(s)
+                llm.abort(s)
         runner.graphs = graphs
         result["batch_sizes"].append(n)
         result["eager_ms"].append(row[0])
@@ -167,7 +168,7 @@ def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int =
         _sync()
         wall = perf_counter() - start
     for s in seqs:
-        llm.scheduler.abort(s)
+        llm.abort(s)
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events) if torch.cuda.is_available() else 0.0
     top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
@@ -178,6 +179,7 @@ def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int =
 
 ABLATIONS = {
     "all optimisations": {},
+    "no async scheduling": {"async_scheduling": False},
     "no CUDA graphs": {"enforce_eager": True},
     "no torch.compile": {"env": {"NANOENGINE_COMPILE": "0"}},
     "no prefix caching": {"enable_prefix_caching": False},

@@ -147,3 +147,71 @@ def test_seeded_sampling_is_reproducible_in_any_batch(small_llm):
                                                              SamplingParams(temperature=0.5, max_tokens=10)],
                                use_tqdm=False)
     assert crowd[1]["token_ids"] == alone
+
+
+def _stop_heavy(llm, async_scheduling: bool):
+    """Seeded sampling with many stop tokens, so requests stop while a step planned ahead is in flight."""
+    llm.async_scheduling = async_scheduling
+    llm.scheduler.eos_token_ids = frozenset(range(0, 384, 9))
+    try:
+        prompts = [[(7 * i + j) % 300 + 3 for j in range(5 + i)] for i in range(12)]
+        params = [SamplingParams(temperature=0.8, seed=i, max_tokens=4 + 3 * i) for i in range(12)]
+        llm.trace.clear()
+        out = llm.generate(prompts, params, use_tqdm=False)
+        return [(o["token_ids"], o["finish_reason"]) for o in out], list(llm.trace)
+    finally:
+        llm.scheduler.eos_token_ids = frozenset(llm.eos_token_ids)
+        llm.async_scheduling = True
+
+
+def test_async_scheduling_equals_synchronous_when_requests_stop_mid_flight(ckpt):
+    llm = LLM(ckpt, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+    synchronous, sync_trace = _stop_heavy(llm, async_scheduling=False)
+    ahead, ahead_trace = _stop_heavy(llm, async_scheduling=True)
+    assert ahead == synchronous
+    assert sum(reason == "stop" for _, reason in ahead) >= 3 and any(r == "length" for _, r in ahead)
+    assert not any(r.planned_ahead for r in sync_trace) and sum(r.planned_ahead for r in ahead_trace) > 5
+    assert all(t >= 0 for tokens, _ in ahead for t in tokens)
+    bm = llm.scheduler.block_manager
+    assert llm.is_finished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_failed_launch_of_a_planned_step_recomputes_its_sequences(ckpt):
+    llm = LLM(ckpt, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    runner, launch = llm.model_runner, llm.model_runner.launch
+    failures = []
+
+    def flaky(seqs, is_prefill, **kwargs):
+        if kwargs.get("after") is not None and not failures:
+            failures.append(len(seqs))
+            raise RuntimeError("simulated launch failure")
+        return launch(seqs, is_prefill, **kwargs)
+
+    runner.launch = flaky
+    seqs = [llm.add_request(p, greedy) for p in prompts]
+    with pytest.raises(RuntimeError, match="simulated"):
+        while not llm.is_finished():
+            llm.step()
+    assert failures == [2] and all(s.status.name == "WAITING" and s.last_token >= 0 for s in seqs)
+    while not llm.is_finished():
+        llm.step()
+    runner.launch = launch
+    assert [s.completion_token_ids for s in seqs] == reference
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_abort_while_a_step_is_in_flight_and_step_on_an_idle_engine(small_llm):
+    assert small_llm.step() == [] and small_llm.is_finished()
+    seq = small_llm.add_request([3, 4, 5, 6], SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        small_llm.step()
+    assert small_llm._in_flight is not None, "a decode step planned ahead is in flight"
+    small_llm.abort(seq)
+    assert seq.finish_reason == "abort" and len(seq.completion_token_ids) >= 4
+    assert all(t >= 0 for t in seq.token_ids)
+    bm = small_llm.scheduler.block_manager
+    assert small_llm.is_finished() and bm.num_free_blocks == bm.num_blocks

@@ -69,3 +69,39 @@ def test_flash_backend_is_chosen_automatically_when_available(ckpt):
     assert type(llm.model_runner.backend).__name__ == expected
     with pytest.raises(ValueError, match="256"):
         LLM(ckpt, kvcache_block_size=16, attention_backend="flash", num_kvcache_blocks=8, max_model_len=512)
+
+
+def test_async_graph_decode_with_short_and_long_contexts_equals_synchronous_eager(ckpt):
+    """Async scheduling + graphs (short- and long-context variants) give eager synchronous decode's tokens."""
+    g = torch.Generator().manual_seed(2)
+    long_prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (1100, 1500, 60)]
+    short_prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (200, 30, 700)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kwargs = dict(kvcache_block_size=256, num_kvcache_blocks=40, max_num_seqs=13, max_model_len=2048,
+                  max_num_batched_tokens=2048)
+    eager = LLM(ckpt, enforce_eager=True, async_scheduling=False, **kwargs)
+    expected = [[o["token_ids"] for o in eager.generate(p, greedy, use_tqdm=False)]
+                for p in (long_prompts, short_prompts)]
+    del eager
+    fast = LLM(ckpt, **kwargs)
+    graphs = fast.model_runner.graphs
+    assert (1, 1024) in graphs.graphs and (1, 2048) in graphs.graphs and (13, 1024) not in graphs.graphs
+    got = [[o["token_ids"] for o in fast.generate(p, greedy, use_tqdm=False)] for p in (long_prompts, short_prompts)]
+    assert got == expected
+    assert sum(r.planned_ahead for r in fast.trace) > 30
+
+
+def test_flash_decode_with_one_split_equals_the_library_split():
+    from nanoengine.layers.paged_attention import FlashBackend, flash_attn_available
+    from nanoengine.utils.context import Context
+    if not flash_attn_available():
+        pytest.skip("flash-attn is not installed")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 12, 256, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(3, 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, -1, -1], [6, -1, -1, -1]], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([1000, 300, 7], dtype=torch.int32, device="cuda")
+    backend = FlashBackend()
+    one = backend.decode(q, k_cache, v_cache, Context(context_lens=lens, block_tables=tables, max_seqlen_k=1000), 0.088)
+    lib = backend.decode(q, k_cache, v_cache, Context(context_lens=lens, block_tables=tables), 0.088)
+    torch.testing.assert_close(one, lib, atol=1e-2, rtol=0)

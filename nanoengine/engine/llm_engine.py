@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['Prompt', 'ENGINE_ARGUMENTS', 'CONTROL_PLANES', 'StepRecord', 'StreamEvent', 'LLMEngine', 'LLM']
 
-# %% ../../notebooks/10_llm_engine.ipynb #019b03a4
+# %% ../../notebooks/10_llm_engine.ipynb #f54adb41
 import difflib
 import os
 from collections import deque
@@ -17,17 +17,17 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
 from ..config import Config
-from .model_runner import ModelRunner
-from .scheduler import Scheduler
+from .model_runner import LaunchedStep, ModelRunner
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from ..sampling_params import SamplingParams
-from ..utils.checks import InvalidTypeError
+from ..utils.checks import InvalidTypeError, check_bool
 from ..utils.loader import resolve_model_path
 
 Prompt = str | list[int]
 ENGINE_ARGUMENTS = ("device", "dtype", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
                     "gpu_memory_utilization", "num_kvcache_blocks", "kvcache_block_size", "tensor_parallel_size",
-                    "enforce_eager", "enable_prefix_caching", "attention_backend", "control_plane")
+                    "enforce_eager", "enable_prefix_caching", "attention_backend", "control_plane", "async_scheduling")
 CONTROL_PLANES = ("shm", "dist", "pipe")
 
 
@@ -44,6 +44,7 @@ class StepRecord:
     num_waiting: int
     num_running: int
     seconds: float
+    planned_ahead: bool  # launched before the previous step's tokens were known (async scheduling)
 
 
 @dataclass(slots=True)
@@ -63,13 +64,15 @@ class LLMEngine:
                  max_num_seqs: int = 512, max_model_len: int = 4096, gpu_memory_utilization: float = 0.9,
                  num_kvcache_blocks: int | None = None, kvcache_block_size: int = 256, tensor_parallel_size: int = 1,
                  enforce_eager: bool = False, enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 control_plane: str = "shm", **unknown):
+                 control_plane: str = "shm", async_scheduling: bool = True, **unknown):
         self.model_runner = None
+        self._in_flight: tuple[ScheduledBatch, LaunchedStep] | None = None
         if unknown:
             name = next(iter(unknown))
             close = difflib.get_close_matches(name, ENGINE_ARGUMENTS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; the arguments are {', '.join(ENGINE_ARGUMENTS)}"
             raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {name!r}{hint}")
+        self.async_scheduling = check_bool("async_scheduling", async_scheduling)
         if control_plane not in CONTROL_PLANES:
             raise ValueError(f"control_plane must be one of {CONTROL_PLANES}, got {control_plane!r}")
         path = resolve_model_path(model)
@@ -155,6 +158,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the engine: stop the other tensor-parallel ranks, free the KV pool; idempotent."""
+        self._in_flight = None
         if self.model_runner is not None:
             self.model_runner.close()
         self.closed = True
@@ -166,22 +170,59 @@ class LLMEngine:
         self.close()
 
     def step(self) -> list[Sequence]:
-        """One schedule → forward → postprocess iteration; returns the sequences that finished."""
+        """Complete one step (launching it first if none is in flight); returns the sequences that finished.
+
+        With async scheduling the decode step after it is planned and launched before its tokens are awaited."""
         if self.closed:
             raise RuntimeError("this engine is closed")
         t0 = perf_counter()
-        batch = self.scheduler.schedule()
-        token_ids = self.model_runner.run(batch.seqs, batch.is_prefill)
-        finished = self.scheduler.postprocess(batch, token_ids)
+        if self._in_flight is None:
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                return []
+            self._in_flight = (batch, self.model_runner.launch(batch.seqs, batch.is_prefill))
+        (batch, launched), self._in_flight = self._in_flight, None
+        ahead = self.scheduler.schedule_ahead(batch) if self._can_plan_ahead() else None
+        if ahead is not None:
+            try:
+                self._in_flight = (ahead, self.model_runner.launch(ahead.seqs, False, after=launched,
+                                                                   source_rows=ahead.source_rows))
+            except BaseException:
+                self._complete(batch, launched, t0)  # the placeholders get their real tokens
+                self.scheduler.unschedule(ahead)
+                raise
+        return self._complete(batch, launched, t0)
+
+    def _can_plan_ahead(self) -> bool:
+        """Async scheduling is on and the runner takes inputs from a step in flight (one rank only)."""
+        return self.async_scheduling and getattr(self.model_runner, "driver", None) is None
+
+    def _complete(self, batch: ScheduledBatch, launched: LaunchedStep, t0: float) -> list[Sequence]:
+        """Wait for a launched step's tokens, apply them, and record the step."""
+        finished = self.scheduler.postprocess(batch, self.model_runner.collect(launched))
         bm = self.scheduler.block_manager
         self.trace.append(StepRecord(self.scheduler.num_steps, batch.is_prefill, batch.num_batched_tokens,
                                      len(batch.seqs), len(batch.preempted), bm.num_blocks - bm.num_free_blocks,
                                      len(bm.hash_to_block_id),
-                                     len(self.scheduler.waiting), len(self.scheduler.running), perf_counter() - t0))
+                                     len(self.scheduler.waiting), len(self.scheduler.running), perf_counter() - t0,
+                                     batch.source_rows is not None))
         return finished
 
+    def drain(self) -> list[Sequence]:
+        """Complete the step in flight, if any, without launching another; returns the sequences that finished."""
+        if self._in_flight is None:
+            return []
+        (batch, launched), self._in_flight = self._in_flight, None
+        return self._complete(batch, launched, perf_counter())
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop an unfinished request and free its blocks (after completing the step in flight)."""
+        self.drain()
+        self.scheduler.abort(seq)
+
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        """No request waiting or running, and no step in flight."""
+        return self.scheduler.is_finished() and self._in_flight is None
 
     def _output(self, seq: Sequence) -> dict:
         return {"text": self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
@@ -197,8 +238,11 @@ class LLMEngine:
                 self.step()
                 yield seqs
         finally:
-            for seq in seqs:
-                self.scheduler.abort(seq)
+            try:
+                self.drain()
+            finally:
+                for seq in seqs:
+                    self.scheduler.abort(seq)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['Context', 'get_context', 'set_context', 'reset_context']
 
-# %% ../../notebooks/04a_context.ipynb #16a7ce9f
+# %% ../../notebooks/04a_context.ipynb #8df3fd1a
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +18,7 @@ class Context:
     cu_seqlens_q: torch.Tensor | None = None  # int32 [num_seqs + 1], cumulative query lengths
     cu_seqlens_k: torch.Tensor | None = None  # int32 [num_seqs + 1], cumulative key lengths (cached prefix + new)
     max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
+    max_seqlen_k: int = 0  # longest key count of a sequence (prefill and decode; 0 = unknown)
     slot_mapping: torch.Tensor | None = None  # [num_tokens], KV-cache slot of each new token (-1 = skip)
     context_lens: torch.Tensor | None = None  # int32 [num_seqs], decode: tokens of context per sequence
     block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks], -1 padded
