@@ -138,7 +138,7 @@ def draw_exponentials(like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
                 noise[row].exponential_(generator=generator)
     return noise.clamp_min_(1e-10)
 
-# %% ../../notebooks/06_sampler.ipynb #817f8963
+# %% ../../notebooks/06_sampler.ipynb #e82495ab
 @maybe_compile
 def _scale(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """logits / temperature in float32 (greedy rows, temperature 0, divide by 1)."""
@@ -163,6 +163,12 @@ def _race(scaled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return chunked_argmax(weights / noise)  # [B]
 
 
+@maybe_compile
+def _scale_and_race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`_scale` then `_race` as one compiled region: the path when no row uses top-k or top-p."""
+    return _race.eager(_scale.eager(logits, temperatures), noise)  # [B]
+
+
 class Sampler(nn.Module):
     """Turns one row of logits per sequence into one token id: greedy, or temperature + top-k + top-p sampling."""
 
@@ -176,8 +182,11 @@ class Sampler(nn.Module):
             raise ValueError("logits must have a non-empty vocabulary dimension")
         if batch.all_greedy:
             return logits.argmax(dim=-1)  # [B]
-        scaled = apply_top_k_top_p(_scale(logits, batch.temperatures), batch)  # [B, V] float32, a fresh tensor
-        sampled = _race(scaled, draw_exponentials(scaled, batch))  # [B]
+        if batch.any_top_k or batch.any_top_p:
+            scaled = apply_top_k_top_p(_scale(logits, batch.temperatures), batch)  # [B, V] float32, a fresh tensor
+            sampled = _race(scaled, draw_exponentials(scaled, batch))  # [B]
+        else:
+            sampled = _scale_and_race(logits, batch.temperatures, draw_exponentials(logits, batch))  # [B]
         if not batch.any_greedy:
             return sampled
         return torch.where(batch.temperatures > 0, sampled, logits.argmax(dim=-1))
