@@ -36,7 +36,7 @@ def bench_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_le
               for _ in range(num_seqs)]
     return prompts, params
 
-# %% ../notebooks/13_benchmarks.ipynb #06137900
+# %% ../notebooks/13_benchmarks.ipynb #3d57e83e
 def provenance() -> dict:
     """Where and with what a measurement was made."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -152,6 +152,7 @@ def measure_decode_sweep(llm, batch_sizes: list[int], context: int = 512, steps:
 
 def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int = 20) -> dict:
     """Where a decode step's time goes: wall time vs GPU kernel time per step, from torch.profiler."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     seqs = [llm.add_request([1 + (i * 7 + j) % 1000 for j in range(context)],
                             SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 8)) for i in range(batch)]
@@ -169,9 +170,9 @@ def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int =
         wall = perf_counter() - start
     for s in seqs:
         llm.abort(s)
-    events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events) if torch.cuda.is_available() else 0.0
-    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # not the CPU ops that launch them
+    gpu_us = sum(e.self_device_time_total for e in kernels)
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:20]
     return {"batch": batch, "context": context, "wall_ms_per_step": 1000 * wall / steps,
             "gpu_kernel_ms_per_step": gpu_us / 1000 / steps,
             "top_gpu_ops": [(e.key, e.self_device_time_total / 1000 / steps) for e in top]}
@@ -180,6 +181,7 @@ def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int =
 ABLATIONS = {
     "all optimisations": {},
     "no async scheduling": {"async_scheduling": False},
+    "no Triton GEMV": {"env": {"NANOENGINE_GEMV": "0"}},
     "no CUDA graphs": {"enforce_eager": True},
     "no torch.compile": {"env": {"NANOENGINE_COMPILE": "0"}},
     "no prefix caching": {"enable_prefix_caching": False},
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--latency", action="store_true", help="batch-1 decode: ms per output token")
     p.add_argument("--decode-sweep", action="store_true", help="decode step time vs batch size, eager and graphs")
     p.add_argument("--ablations", action="store_true", help="throughput with each optimisation switched off")
-    p.add_argument("--profile", action="store_true", help="decode step at batch 256: wall vs GPU kernel time")
+    p.add_argument("--profile", action="store_true", help="decode steps at batch 256 and 1: wall vs GPU kernel time")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
@@ -232,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
         results["engine_info"] = {"num_kvcache_blocks": llm.config.num_kvcache_blocks,
                                   "attention_backend": type(llm.model_runner.backend).__name__,
                                   "cuda_graphs": getattr(llm.model_runner, "graphs", None) is not None,
-                                  "dtype": str(llm.config.dtype), "device": str(llm.config.device)}
+                                  "dtype": str(llm.config.dtype), "device": str(llm.config.device),
+                                  "gemv_report": getattr(llm.model_runner, "gemv_report", {})}
         if args.throughput:
             results["throughput"] = measure_throughput(llm, args.num_seqs, args.max_input_len, args.max_output_len)
             print(f"throughput: {results['throughput']['output_tok_per_s']:,.0f} output tok/s "
@@ -245,7 +248,10 @@ def main(argv: list[str] | None = None) -> dict:
             print("decode sweep:", json.dumps(results["decode_sweep"]))
         if args.profile:
             results["profile"] = measure_step_profile(llm)
-            print("profile:", json.dumps(results["profile"]))
+            results["profile_batch1"] = measure_step_profile(llm, batch=1, context=100)
+            for key in ("profile", "profile_batch1"):
+                p = results[key]
+                print(f"{key}: {p['wall_ms_per_step']:.3f} ms per step, {p['gpu_kernel_ms_per_step']:.3f} ms of kernels")
         del llm
     if args.ablations:
         out_dir = Path(tempfile.mkdtemp())

@@ -105,3 +105,17 @@ def test_flash_decode_with_one_split_equals_the_library_split():
     one = backend.decode(q, k_cache, v_cache, Context(context_lens=lens, block_tables=tables, max_seqlen_k=1000), 0.088)
     lib = backend.decode(q, k_cache, v_cache, Context(context_lens=lens, block_tables=tables), 0.088)
     torch.testing.assert_close(one, lib, atol=1e-2, rtol=0)
+
+
+def test_gemv_equals_f_linear_and_is_chosen_only_where_clearly_faster():
+    import torch.nn.functional as F
+    from nanoengine.layers.gemv import GEMV_MARGIN, choose_gemv, gemv
+    weights = [torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+    bias = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(gemv(x, weights[0], bias).float(), F.linear(x, weights[0], bias).float(),
+                                   atol=2e-2, rtol=2e-2)
+    report = choose_gemv(weights)
+    assert set(report) == {"1024x2048 rows=1", "1024x2048 rows=2", "1024x2048 rows=4"}
+    assert all(r["gemv"] == (r["cublas_us"] > GEMV_MARGIN * r["gemv_us"]) for r in report.values())

@@ -6,7 +6,7 @@
 __all__ = ['CPU_KV_BUDGET_BYTES', 'kv_block_bytes', 'default_cpu_num_blocks', 'rank_device', 'min_over_ranks', 'LaunchedStep',
            'ModelRunner']
 
-# %% ../../notebooks/09_model_runner.ipynb #3784eaa2
+# %% ../../notebooks/09_model_runner.ipynb #02204ba8
 import math
 import os
 from dataclasses import dataclass
@@ -19,6 +19,8 @@ from ..config import Config
 from .cuda_graphs import CUDAGraphDecoder
 from .sequence import Sequence
 from ..layers.attention import Attention
+from ..layers.gemv import choose_gemv
+from ..layers.linear import LinearBase
 from ..layers.paged_attention import get_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch
 from ..models.qwen3 import Qwen3ForCausalLM
@@ -97,6 +99,8 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.gemv_report = choose_gemv([m.weight for m in self.model.modules() if isinstance(m, LinearBase)]) \
+            if self.device.type == "cuda" else {}  # per shape: cuBLAS or the Triton kernel (chapter 11a)
         self.backend = get_attention_backend(self._backend_name(), device=self.device, block_size=self.block_size)
         self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = self.allocate_kv_cache()

@@ -6,11 +6,11 @@
 __all__ = ['divide', 'copy_shard', 'LinearBase', 'ReplicatedLinear', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
            'QKVParallelLinear', 'RowParallelLinear']
 
-# %% ../../notebooks/04_layers.ipynb #662d6d3b
+# %% ../../notebooks/04_layers.ipynb #1aa32c0a
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .gemv import linear
 from ..utils.checks import check_int
 from ..utils.dist import all_reduce, tp_rank, tp_size
 
@@ -52,7 +52,7 @@ class LinearBase(nn.Module):
             raise ValueError(f"{type(self).__name__} takes no shard_id, got {shard_id!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [N, in] -> [N, out]
+        return linear(x, self.weight, self.bias)  # [N, in] -> [N, out]
 
 
 class ReplicatedLinear(LinearBase):
@@ -130,7 +130,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_shard(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size),
                    f"QKVParallelLinear shard {shard_id!r}")
 
-# %% ../../notebooks/04_layers.ipynb #62a15c97
+# %% ../../notebooks/04_layers.ipynb #cdefd77a
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed by an all-reduce, bias added on rank 0 only."""
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
@@ -150,5 +150,5 @@ class RowParallelLinear(LinearBase):
         copy_shard(param.data, loaded_weight.narrow(1, self.tp_rank * size, size), "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)  # [N, in/P] -> partial [N, out]
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)  # [N, in/P] -> partial [N, out]
         return all_reduce(y)
