@@ -104,6 +104,8 @@ def test_bad_engine_arguments(ckpt, tmp_path):
         LLM(ckpt, device="cpu", kvcache_block_size=24)
     with pytest.raises(ValueError, match="flash"):
         LLM(ckpt, device="cpu", attention_backend="flash")
+    with pytest.raises(TypeError, match="async_scheduling"):
+        LLM(ckpt, device="cpu", async_scheduling="yes")
 
 
 def test_defaults_on_cpu_and_string_dtypes(ckpt):
