@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Reproduce benchmarks/h200.json on a machine with a CUDA GPU: GPU tests, then every benchmark, with logs.
+# Reproduce the committed H200 data on a machine with a CUDA GPU: GPU tests, then every benchmark, with logs.
 #   bash benchmarks/reproduce.sh OUT_DIR
+# Writes OUT_DIR/main.json (benchmarks/h200.json without the ablations), before_gemv.json (h200_before_gemv.json),
+# gemv.json (h200_gemv.json) and ablations.json; each step has its own log. About 15 minutes on an H200.
 # flash-attn must be importable (pip install flash-attn, or scripts/build_flash_attn.sh; see book/flash_attn.md).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/reproduce.sh OUT_DIR}
@@ -8,9 +10,14 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import torch, flash_attn; print(torch.cuda.get_device_name(0), 'flash-attn', flash_attn.__version__)"
 timeout 300 python3 -m pytest -o addopts="" -p no:cacheprovider -q -m gpu tests/ > "$OUT/gpu_tests.log" 2>&1
-tail -n 15 "$OUT/gpu_tests.log"
-timeout 400 python3 -m nanoengine.bench --throughput --latency --decode-sweep --profile --out "$OUT/main.json" \
+tail -n 3 "$OUT/gpu_tests.log"
+timeout 600 python3 -m nanoengine.bench --throughput --latency --decode-sweep --profile --out "$OUT/main.json" \
     > "$OUT/bench.log" 2>&1
 tail -n 6 "$OUT/bench.log"
-timeout 400 python3 -m nanoengine.bench --ablations --out "$OUT/ablations.json" > "$OUT/ablations.log" 2>&1
-tail -n 6 "$OUT/ablations.log"
+NANOENGINE_GEMV=0 timeout 300 python3 -m nanoengine.bench --latency --profile --out "$OUT/before_gemv.json" \
+    > "$OUT/before_gemv.log" 2>&1
+tail -n 3 "$OUT/before_gemv.log"
+timeout 300 python3 benchmarks/gemv_sweep.py "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
+tail -n 12 "$OUT/gemv.log"
+timeout 1800 python3 -m nanoengine.bench --ablations --out "$OUT/ablations.json" > "$OUT/ablations.log" 2>&1
+tail -n 8 "$OUT/ablations.log"

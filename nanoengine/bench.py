@@ -36,7 +36,7 @@ def bench_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_le
               for _ in range(num_seqs)]
     return prompts, params
 
-# %% ../notebooks/13_benchmarks.ipynb #3d57e83e
+# %% ../notebooks/13_benchmarks.ipynb #4fcb0333
 def provenance() -> dict:
     """Where and with what a measurement was made."""
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -189,8 +189,9 @@ ABLATIONS = {
 }
 
 
-def run_ablations(model: Path, out_dir: Path, names: list[str] | None = None, **engine_kwargs) -> dict:
-    """Throughput of each ablation, each in a fresh process."""
+def run_ablations(model: Path, out_dir: Path, names: list[str] | None = None, timeout: float = 900,
+                  **engine_kwargs) -> dict:
+    """Throughput of each ablation, each in a fresh process; each result is printed, and kept in out_dir, as it lands."""
     results = {}
     for name in names or list(ABLATIONS):
         settings = dict(ABLATIONS[name])
@@ -198,11 +199,15 @@ def run_ablations(model: Path, out_dir: Path, names: list[str] | None = None, **
         part = out_dir / f"ablation-{len(results)}.json"
         cmd = [sys.executable, "-m", "nanoengine.bench", "--model", str(model), "--throughput", "--out", str(part),
                "--engine-json", json.dumps({**engine_kwargs, **settings})]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            results[name] = {"error": done.stderr[-2000:]}
-        else:
-            results[name] = json.loads(part.read_text())["throughput"]
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            results[name] = json.loads(part.read_text())["throughput"] if done.returncode == 0 else \
+                {"error": done.stderr[-2000:]}
+        except subprocess.TimeoutExpired:
+            results[name] = {"error": f"timed out after {timeout:.0f} s"}
+        r = results[name]
+        print(f"{name:20s} " + (f"{r['output_tok_per_s']:,.0f} tok/s" if "output_tok_per_s" in r else r["error"][-300:]),
+              flush=True)
     return results
 
 
@@ -256,8 +261,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.ablations:
         out_dir = Path(tempfile.mkdtemp())
         results["ablations"] = run_ablations(model, out_dir, **engine_kwargs)
-        for name, r in results["ablations"].items():
-            print(f"{name:20s} " + (f"{r['output_tok_per_s']:,.0f} tok/s" if "output_tok_per_s" in r else r["error"][-300:]))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return results
