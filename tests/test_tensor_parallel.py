@@ -17,11 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import nanoengine.engine.workers as workers
+import nanoengine.engine.channels as channels
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.model_runner import min_over_ranks
 from nanoengine.engine.sequence import Sequence
-from nanoengine.engine.workers import WorkerDiedError, WorkerGroup, run_worker, serve_echo
+from nanoengine.engine.torchrun import run_worker
+from nanoengine.engine.workers import WorkerDiedError, WorkerGroup, serve_echo
 from nanoengine.utils.checkpoint import write_random_checkpoint
 from nanoengine.utils.dist import free_port, run_tp_workers, tp_rank
 
@@ -96,7 +97,7 @@ def test_shm_tp2_equals_tp1_with_chunking_prefix_hits_preemption_and_block_size_
     before = our_shm()
     with LLM(ckpt, tensor_parallel_size=2, **ENGINE) as llm:
         group = llm.model_runner.driver
-        assert isinstance(group.channel, workers.ShmChannel) and group.channel.name in os.listdir("/dev/shm")
+        assert isinstance(group.channel, channels.ShmChannel) and group.channel.name in os.listdir("/dev/shm")
         assert llm.model_runner.num_kvcache_blocks == llm.model_runner.local_num_kvcache_blocks == 24
         cold, warm = run_acceptance(llm)
         assert cold == warm == reference["cold"]
@@ -118,7 +119,7 @@ def test_pipe_tp2_equals_tp1_and_a_forgotten_engine_is_cleaned_up_by_its_finaliz
 def test_dist_tp2_equals_tp1_then_a_worker_killed_mid_run_is_reported(ckpt, reference):
     before = our_shm()
     llm = LLM(ckpt, tensor_parallel_size=2, control_plane="dist", **ENGINE)
-    assert isinstance(llm.model_runner.driver.channel, workers.DistChannel)
+    assert isinstance(llm.model_runner.driver.channel, channels.DistChannel)
     cold, warm = run_acceptance(llm)
     assert cold == warm == reference["cold"]
     worker = llm.model_runner.driver.procs[0]
@@ -135,7 +136,7 @@ def test_dist_tp2_equals_tp1_then_a_worker_killed_mid_run_is_reported(ckpt, refe
 
 
 def test_message_larger_than_the_segment_grows_it_then_a_dead_worker_is_an_error(ckpt, reference, monkeypatch):
-    monkeypatch.setattr(workers, "SHM_BYTES", 4096)
+    monkeypatch.setattr(channels, "SHM_BYTES", 4096)
     before = our_shm()
     llm = LLM(ckpt, tensor_parallel_size=2, **LONG)
     channel = llm.model_runner.driver.channel
@@ -244,7 +245,7 @@ def test_torchrun_with_the_dist_control_plane(ckpt, reference, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import json, os
         from nanoengine import LLM, SamplingParams
-        from nanoengine.engine.workers import run_worker
+        from nanoengine.engine.torchrun import run_worker
         if int(os.environ["RANK"]) > 0:
             run_worker()
         else:
@@ -305,7 +306,7 @@ def test_a_segment_left_by_a_dead_process_is_removed_by_the_next_channel():
     stale.close()
     mine = SharedMemory(name=f"nanoengine-{os.getpid()}-0000beef", create=True, size=4096)
     assert name in os.listdir("/dev/shm")
-    channel = workers.ShmChannel(1, multiprocessing.get_context("spawn"))
+    channel = channels.ShmChannel(1, multiprocessing.get_context("spawn"))
     assert name not in os.listdir("/dev/shm") and mine.name in os.listdir("/dev/shm"), "live owners are left alone"
     channel.close()
     mine.close()
