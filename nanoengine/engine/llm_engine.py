@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['Prompt', 'ENGINE_ARGUMENTS', 'CONTROL_PLANES', 'StepRecord', 'StreamEvent', 'LLMEngine', 'LLM']
 
-# %% ../../notebooks/10_llm_engine.ipynb #f54adb41
+# %% ../../notebooks/10_llm_engine.ipynb #86aca00f
 import difflib
 import os
 from collections import deque
@@ -201,7 +201,7 @@ class LLMEngine:
         """Wait for a launched step's tokens, apply them, and record the step."""
         finished = self.scheduler.postprocess(batch, self.model_runner.collect(launched))
         bm = self.scheduler.block_manager
-        self.trace.append(StepRecord(self.scheduler.num_steps, batch.is_prefill, batch.num_batched_tokens,
+        self.trace.append(StepRecord(batch.step, batch.is_prefill, batch.num_batched_tokens,
                                      len(batch.seqs), len(batch.preempted), bm.num_blocks - bm.num_free_blocks,
                                      len(bm.hash_to_block_id),
                                      len(self.scheduler.waiting), len(self.scheduler.running), perf_counter() - t0,

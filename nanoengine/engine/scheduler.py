@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['PENDING_TOKEN', 'ScheduledBatch', 'Scheduler']
 
-# %% ../../notebooks/03_scheduler.ipynb #7f9845ba
+# %% ../../notebooks/03_scheduler.ipynb #29d5692b
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,6 +28,7 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     source_rows: list[int] | None = None  # planned ahead: row i's input is the token of row source_rows[i] before
     advanced: list[bool] | None = None  # per row: its sequence already moved on to the step planned ahead
+    step: int = 0  # the scheduler's step number for this batch (1, 2, ...)
 
 
 class Scheduler:
@@ -98,7 +99,7 @@ class Scheduler:
                 self.running.append(seq)
             seqs.append(seq)
         if seqs:
-            return ScheduledBatch(seqs, True, self.max_num_batched_tokens - budget)
+            return ScheduledBatch(seqs, True, self.max_num_batched_tokens - budget, step=self.num_steps)
 
         preempted: list[Sequence] = []
         while self.running and len(seqs) < self.max_num_seqs:
@@ -117,7 +118,7 @@ class Scheduler:
         self.running.extendleft(reversed(seqs))
         if not seqs and not self.is_finished():
             raise RuntimeError("scheduler made no progress: no sequence fits the KV cache (please report this bug)")
-        return ScheduledBatch(seqs, False, len(seqs), preempted)
+        return ScheduledBatch(seqs, False, len(seqs), preempted, step=self.num_steps)
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request: free its blocks and forget it."""
@@ -164,7 +165,7 @@ class Scheduler:
             self.block_manager.may_append(seq)
             batch.advanced[row] = True
         return ScheduledBatch([seq for _, seq in going_on], False, len(going_on),
-                              source_rows=[row for row, _ in going_on])
+                              source_rows=[row for row, _ in going_on], step=self.num_steps)
 
     def unschedule(self, batch: ScheduledBatch) -> None:
         """Send the running sequences of a batch that never ran back to the queue, to be recomputed."""
