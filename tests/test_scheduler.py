@@ -54,7 +54,7 @@ def test_largest_acceptable_request_runs_alone_in_the_pool():
     assert big.num_completion_tokens == 7 and sch.block_manager.num_free_blocks == 4
 
 
-def test_chunked_prefill_respects_the_budget_and_fills_it():
+def test_chunked_prefill_fills_the_budget_and_running_requests_keep_decoding():
     sch = Scheduler(64, 4, max_num_batched_tokens=16, max_model_len=256)
     a, b = seq(10, start=0), seq(30, start=100)
     sch.add(a)
@@ -66,7 +66,53 @@ def test_chunked_prefill_respects_the_budget_and_fills_it():
     sch.postprocess(first, [1, 2])
     assert a.completion_token_ids == [1] and b.completion_token_ids == [], "a partial chunk's token is discarded"
     second = sch.schedule()
-    assert second.seqs == [b] and b.num_cached_tokens == 6 and b.num_scheduled_tokens == 16
+    assert second.is_prefill and second.seqs == [a, b] and second.num_batched_tokens == 16
+    assert (a.num_scheduled_tokens, b.num_cached_tokens, b.num_scheduled_tokens) == (1, 6, 15), "a decodes alongside"
+
+
+def test_a_long_prompt_never_stalls_running_requests():
+    """nano-vllm's #73: prefill first meant every running request waited while a long prompt was chunked in."""
+    sch = Scheduler(1024, 4, max_num_batched_tokens=64, max_model_len=2048)
+    running = [seq(10, max_tokens=100, start=100 * i) for i in range(4)]
+    for s in running:
+        sch.add(s)
+    sch.postprocess(first := sch.schedule(), [7] * len(first.seqs))
+    long_prompt = seq(1000, max_tokens=5, start=5000)
+    sch.add(long_prompt)
+    rng = random.Random(0)
+    chunks = 0
+    while long_prompt.status == SequenceStatus.WAITING:
+        batch = sch.schedule()
+        assert batch.seqs[:4] == running and all(s.num_scheduled_tokens == 1 for s in running)
+        remaining = long_prompt.num_tokens - long_prompt.num_cached_tokens
+        assert long_prompt.num_scheduled_tokens == min(60, remaining) and batch.num_batched_tokens == 4 + min(60, remaining)
+        before = [s.num_completion_tokens for s in running]
+        sch.postprocess(batch, [rng.randrange(1, 50) for _ in batch.seqs])
+        assert [s.num_completion_tokens for s in running] == [n + 1 for n in before], "every running request advanced"
+        chunks += 1
+    assert chunks == 17  # ceil(1000 / 60): the prompt shared every step with the four decodes
+
+
+def test_a_half_computed_prompt_is_preempted_before_running_requests():
+    """When a decode needs a block, the newest admission (a prompt still being chunked) gives its blocks back first."""
+    sch = Scheduler(6, 4, max_num_batched_tokens=8, max_model_len=64)
+    old = seq(4, max_tokens=20, start=0)
+    sch.add(old)
+    sch.postprocess(sch.schedule(), [9])  # old: 5 tokens in 2 blocks
+    big = seq(16, max_tokens=2, start=100)
+    sch.add(big)
+    batch = sch.schedule()  # old decodes; big is admitted with 4 blocks and gets a 7-token chunk
+    assert batch.seqs == [old, big] and big.block_table and sch.block_manager.num_free_blocks == 0
+    sch.postprocess(batch, [9, 3])
+    for _ in range(3):  # old fills its second block
+        batch = sch.schedule()
+        sch.postprocess(batch, [9] * len(batch.seqs))
+        if batch.preempted:
+            break
+    assert batch.preempted == [big] and big.block_table == [] and sch.waiting[0] is big and old.status.name == "RUNNING"
+    drain(sch, rng := random.Random(1))
+    assert old.num_completion_tokens == 20 and big.num_completion_tokens == 2
+    assert sch.block_manager.num_free_blocks == 6
 
 
 def test_preemption_picks_the_newest_and_readmits_it_first_mostly_from_cache():

@@ -6,7 +6,7 @@
 __all__ = ['CPU_KV_BUDGET_BYTES', 'kv_block_bytes', 'default_cpu_num_blocks', 'rank_device', 'min_over_ranks', 'LaunchedStep',
            'ModelRunner']
 
-# %% ../../notebooks/09_model_runner.ipynb #02204ba8
+# %% ../../notebooks/09_model_runner.ipynb #fb26d8b3
 import math
 import os
 from dataclasses import dataclass
@@ -192,7 +192,7 @@ class ModelRunner:
         max_seqlen_q = max_seqlen_k = 0
         for seq in seqs:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
-            input_ids += seq[start:end]
+            input_ids += seq[start:end] if seq.is_prefill else [seq.last_token]  # a decode row: its newest token
             positions += range(start, end)
             cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)

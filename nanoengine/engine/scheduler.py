@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['PENDING_TOKEN', 'ScheduledBatch', 'Scheduler']
 
-# %% ../../notebooks/03_scheduler.ipynb #29d5692b
+# %% ../../notebooks/03_scheduler.ipynb #0ed1832b
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,7 +32,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Continuous batching: prefill-first admission under a token budget, decode with recompute preemption."""
+    """Continuous batching: every running sequence decodes each step, prompts fill the rest of the token budget."""
 
     def __init__(self, num_kvcache_blocks: int, kvcache_block_size: int, *, max_num_seqs: int = 512,
                  max_num_batched_tokens: int = 16384, max_model_len: int = 4096,
@@ -82,30 +82,14 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def schedule(self) -> ScheduledBatch:
-        """Pick the next step's batch: prefill if anything can be admitted, else one decode token per running sequence."""
+        """Pick the next step: one token for every running sequence, then prompt chunks in the rest of the budget."""
         self.num_steps += 1
-        seqs: list[Sequence] = []
-        budget = self.max_num_batched_tokens
-        while self.waiting and len(seqs) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
-            if not seq.block_table and not self.block_manager.allocate(seq):
-                break
-            seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_cached_tokens, budget)
-            budget -= seq.num_scheduled_tokens
-            seq.is_prefill = True
-            if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
-                seq.status = SequenceStatus.RUNNING
-                self.waiting.popleft()
-                self.running.append(seq)
-            seqs.append(seq)
-        if seqs:
-            return ScheduledBatch(seqs, True, self.max_num_batched_tokens - budget, step=self.num_steps)
-
+        decodes: list[Sequence] = []
         preempted: list[Sequence] = []
-        while self.running and len(seqs) < self.max_num_seqs:
+        while self.running and len(decodes) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
-                victim = self.running.pop() if self.running else seq
+                victim = self._newest_admitted(seq)
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -114,11 +98,34 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 seq.is_prefill = False
                 self.block_manager.may_append(seq)
-                seqs.append(seq)
-        self.running.extendleft(reversed(seqs))
+                decodes.append(seq)
+        self.running.extendleft(reversed(decodes))
+
+        prefills: list[Sequence] = []
+        budget = self.max_num_batched_tokens - len(decodes)
+        while self.waiting and len(decodes) + len(prefills) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if not seq.block_table and (preempted or not self.block_manager.allocate(seq)):
+                break  # no new admission in a step that had to preempt: it would take back the blocks just freed
+            seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            seq.is_prefill = True
+            if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+                seq.status = SequenceStatus.RUNNING
+                self.waiting.popleft()
+                self.running.append(seq)
+            prefills.append(seq)
+        seqs = decodes + prefills
         if not seqs and not self.is_finished():
             raise RuntimeError("scheduler made no progress: no sequence fits the KV cache (please report this bug)")
-        return ScheduledBatch(seqs, False, len(seqs), preempted, step=self.num_steps)
+        num_tokens = len(decodes) + sum(seq.num_scheduled_tokens for seq in prefills)
+        return ScheduledBatch(seqs, bool(prefills), num_tokens, preempted, step=self.num_steps)
+
+    def _newest_admitted(self, decoding: Sequence) -> Sequence:
+        """Whom to preempt for a block: a half-computed prompt, else the newest running sequence, else `decoding`."""
+        if self.waiting and self.waiting[0].block_table:
+            return self.waiting[0]  # admitted after every running sequence; it holds blocks but has produced nothing
+        return self.running.pop() if self.running else decoding
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request: free its blocks and forget it."""
@@ -137,12 +144,13 @@ class Scheduler:
         seq.finish_reason = "abort"
 
     def preempt(self, seq: Sequence) -> None:
-        """Free a running sequence's blocks and put it first in line to be recomputed."""
+        """Free a sequence's blocks and put it first in line to be recomputed (a waiting one keeps its place)."""
+        if seq.status != SequenceStatus.WAITING:
+            self.waiting.appendleft(seq)
         seq.status = SequenceStatus.WAITING
         seq.is_prefill = True
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
