@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['Prompt', 'ENGINE_ARGUMENTS', 'CONTROL_PLANES', 'StepRecord', 'StreamEvent', 'LLMEngine', 'LLM']
 
-# %% ../../notebooks/10_llm_engine.ipynb #86aca00f
+# %% ../../notebooks/10_llm_engine.ipynb #777fa51e
 import difflib
 import os
 from collections import deque
@@ -195,7 +195,7 @@ class LLMEngine:
 
     def _can_plan_ahead(self) -> bool:
         """Async scheduling is on and the runner takes inputs from a step in flight (one rank only)."""
-        return self.async_scheduling and getattr(self.model_runner, "driver", None) is None
+        return self.async_scheduling and self.model_runner.driver is None
 
     def _complete(self, batch: ScheduledBatch, launched: LaunchedStep, t0: float) -> list[Sequence]:
         """Wait for a launched step's tokens, apply them, and record the step."""

@@ -6,11 +6,11 @@
 __all__ = ['GEMV_MAX_ROWS', 'GEMV_BLOCK_N', 'GEMV_BLOCK_K', 'GEMV_WARPS', 'GEMV_MARGIN', 'gemv', 'gemv_enabled', 'linear',
            'choose_gemv']
 
-# %% ../../notebooks/11a_gemv.ipynb #479bfdc2
-import os
-
+# %% ../../notebooks/11a_gemv.ipynb #abd074f8
 import torch
 import torch.nn.functional as F
+
+from ..utils.checks import env_switch
 
 try:
     import triton
@@ -19,7 +19,7 @@ except ImportError:
     triton = None
 
 GEMV_MAX_ROWS = 4
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 512, 2  # the best of a sweep on the H200 for every shape above
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 512, 2  # the best of a sweep on the H200 over Qwen3-0.6B's projections
 
 if triton is not None:
     @triton.jit
@@ -59,17 +59,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         BLOCK_K=GEMV_BLOCK_K, num_warps=GEMV_WARPS)
     return y
 
-# %% ../../notebooks/11a_gemv.ipynb #275d5595
+# %% ../../notebooks/11a_gemv.ipynb #5c487421
 GEMV_MARGIN = 1.25
 _USE_GEMV: dict[tuple, bool] = {}  # (rows, out features, in features, dtype) -> gemv measured faster
 
 
 def gemv_enabled() -> bool:
     """Whether `choose_gemv` may pick the kernel: env NANOENGINE_GEMV unset or '1' means yes, '0' means no."""
-    flag = os.environ.get("NANOENGINE_GEMV", "1") or "1"
-    if flag not in ("0", "1"):
-        raise ValueError(f"NANOENGINE_GEMV must be '0' or '1', got {flag!r}")
-    return flag == "1"
+    return env_switch("NANOENGINE_GEMV")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,20 +5,18 @@
 # %% auto #0
 __all__ = ['compile_enabled', 'maybe_compile']
 
-# %% ../../notebooks/04c_compile.ipynb #77772167
+# %% ../../notebooks/04c_compile.ipynb #28cda229
 import functools
-import os
 from typing import Callable
 
 import torch
 
+from .checks import env_switch
+
 
 def compile_enabled() -> bool:
     """Whether `maybe_compile` may compile: env NANOENGINE_COMPILE unset or '1' means yes, '0' means no."""
-    flag = os.environ.get("NANOENGINE_COMPILE", "1") or "1"
-    if flag not in ("0", "1"):
-        raise ValueError(f"NANOENGINE_COMPILE must be '0' or '1', got {flag!r}")
-    return flag == "1"
+    return env_switch("NANOENGINE_COMPILE")
 
 
 def _has_cuda_tensor(args: tuple, kwargs: dict) -> bool:
