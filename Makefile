@@ -29,7 +29,12 @@ book: install
 	@echo "Open it with:  python3 -m webbrowser file://$(CURDIR)/_build/html/index.html"
 	@echo "(or serve it: python3 -m http.server -d _build/html 8000, then browse http://localhost:8000)"
 
-test: install
+# The lowest triton we support, beside the newest, so the interpreter checks run at both ends of the range.
+TRITON_LOW := $(shell sed -n 's/.*"triton>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+.triton-low/triton:
+	$(BIN)/pip install -q --no-deps --target .triton-low "triton==$(TRITON_LOW).0" 2>&1 | $(QUIET)
+
+test: install .triton-low/triton
 	bash tests/browser_setup.sh
 	$(BIN)/python -m pytest -q
 

@@ -309,3 +309,42 @@ def test_flash_matches_torch_in_bfloat16(specs, decode):
     torch.testing.assert_close(k_flash, k_torch, atol=0, rtol=0, equal_nan=True)
     if decode:
         assert torch.equal(out_flash[-2:], torch.zeros_like(out_flash[-2:]))
+
+
+# --- the start-up probe ------------------------------------------------------------------------------------------------
+
+class ForgetfulBackend(TorchBackend):
+    """Decode that drops each sequence's newest key, as a kernel for the wrong head dim might."""
+    def decode(self, q, k_cache, v_cache, ctx, scale):
+        shorter = Context(**{f: getattr(ctx, f) for f in Context.__slots__})
+        shorter.context_lens = (ctx.context_lens - 1).clamp(min=1)
+        return super().decode(q, k_cache, v_cache, shorter, scale)
+
+
+class RaisingBackend(TorchBackend):
+    """A build that lacks the head dim: every call raises."""
+    def prefill(self, *args):
+        raise RuntimeError("trimmed flash-attn build: head_dim must be one of [128]")
+
+
+PROBE_SHAPE = dict(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu", block_size=8)
+
+
+def test_flash_probe_accepts_a_correct_backend_and_names_a_wrong_one():
+    assert pa.flash_probe(TorchBackend(), **PROBE_SHAPE) is None
+    assert pa.flash_probe(ForgetfulBackend(), **PROBE_SHAPE).startswith("decode differs")
+    assert "head_dim must be one of [128]" in pa.flash_probe(RaisingBackend(), **PROBE_SHAPE)
+
+
+@pytest.mark.parametrize("bad", [ForgetfulBackend, RaisingBackend])
+def test_a_flash_build_that_fails_the_probe_is_never_trusted(monkeypatch, bad):
+    monkeypatch.setattr(pa, "flash_unavailable_reason", lambda device, block_size: None)
+    monkeypatch.setattr(pa, "FlashBackend", bad)
+    kwargs = dict(device="cpu", block_size=8, shape=(4, 2, 16), dtype=torch.float32)
+    with pytest.warns(UserWarning, match="start-up check at head_dim 16"):
+        backend = get_attention_backend("auto", **kwargs)
+    assert type(backend) is TorchBackend
+    with pytest.raises(ValueError, match="rebuild it with this head dim"):
+        get_attention_backend("flash", **kwargs)
+    monkeypatch.setattr(pa, "FlashBackend", type("GoodFlash", (TorchBackend,), {}))
+    assert type(get_attention_backend("flash", **kwargs)).__name__ == "GoodFlash"

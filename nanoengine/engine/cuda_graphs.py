@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..layers.paged_attention import FLASH_ONE_SPLIT_MAX_KEYS
-from ..utils.context import reset_context, set_context
+from ..utils.context import DEFAULT_STEP, StepContext
 
 SMALL_BATCH = 16  # buckets below this also get a graph for contexts up to FLASH_ONE_SPLIT_MAX_KEYS
 
@@ -37,10 +37,11 @@ class CUDAGraphDecoder:
     """The model's decode forward captured as CUDA graphs, one per batch-size bucket, sharing one memory pool."""
 
     def __init__(self, model: torch.nn.Module, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 step_context: StepContext = DEFAULT_STEP):
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self.model = model
+        self.model, self.step_context = model, step_context  # the holder the model's layers read
         self.buckets = graph_buckets(max_num_seqs)
         self.max_batch = self.buckets[-1]
         self.max_blocks = math.ceil(max_model_len / block_size)
@@ -67,8 +68,9 @@ class CUDAGraphDecoder:
     def _capture(self) -> None:
         for bs in reversed(self.buckets):
             for max_keys in self.context_variants(bs):
-                set_context(is_prefill=False, slot_mapping=self.slot_mapping[:bs], max_seqlen_k=max_keys,
-                            context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs])
+                self.step_context.set(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
+                                      max_seqlen_k=max_keys, context_lens=self.context_lens[:bs],
+                                      block_tables=self.block_tables[:bs])
                 self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, self.pool):
@@ -77,7 +79,7 @@ class CUDAGraphDecoder:
                     self.pool = graph.pool()
                 self.graphs[bs, max_keys] = graph
                 torch.cuda.synchronize()
-        reset_context()
+        self.step_context.reset()
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                context_lens: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int = 0) -> torch.Tensor:

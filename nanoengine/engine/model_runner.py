@@ -7,6 +7,7 @@ __all__ = ['CPU_KV_BUDGET_BYTES', 'kv_block_bytes', 'default_cpu_num_blocks', 'r
            'ModelRunner']
 
 # %% ../../notebooks/09_model_runner.ipynb #fb26d8b3
+import gc
 import math
 import os
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from ..layers.linear import LinearBase
 from ..layers.paged_attention import get_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch
 from ..models.qwen3 import Qwen3ForCausalLM
-from ..utils.context import get_context, reset_context, set_context
+from ..utils.context import StepContext, bind_step_context
 from ..utils.dist import tp_rank, tp_size
 from ..utils.loader import load_model
 from ..utils.memory import kv_cache_bytes_per_token
@@ -84,10 +85,13 @@ class ModelRunner:
                                "tensor-parallel engine needs its own process group (close any other one first)")
         self.device = rank_device(config.device, rank if local_rank is None else local_rank)
         self.dtype = config.dtype
+        self.closed = False
         self.block_size = config.kvcache_block_size
         self.driver = None  # on rank 0 of several: the handle that drives the other ranks (tensor-parallel chapter)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()  # memory a closed engine left cached counts as free again
+            self.baseline_bytes = torch.cuda.memory_allocated(self.device)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -97,11 +101,16 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         load_model(self.model, config.model)
         self.model.eval()
+        self.step = StepContext()  # this runner's side channel (section 04.1): no state shared with others
+        bind_step_context(self.model, self.step)
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        first = self.attention_layers[0]
         self.gemv_report = choose_gemv([m.weight for m in self.model.modules() if isinstance(m, LinearBase)]) \
             if self.device.type == "cuda" else {}  # per shape: cuBLAS or the Triton kernel (chapter 11a)
-        self.backend = get_attention_backend(self._backend_name(), device=self.device, block_size=self.block_size)
+        self.backend = get_attention_backend(self._backend_name(), device=self.device,
+                                             block_size=self.block_size, dtype=self.dtype,
+                                             shape=(first.num_heads, first.num_kv_heads, first.head_dim))
         self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs = None
@@ -109,7 +118,7 @@ class ModelRunner:
             self.graphs = CUDAGraphDecoder(self.model, max_num_seqs=config.max_num_seqs,
                                            max_model_len=config.max_model_len, block_size=self.block_size,
                                            hidden_size=config.hf_config.hidden_size, dtype=self.dtype,
-                                           device=self.device)
+                                           device=self.device, step_context=self.step)
 
     def _backend_name(self) -> str:
         """The attention backend to ask for: FlashAttention computes only in float16/bfloat16."""
@@ -156,17 +165,29 @@ class ModelRunner:
         if cfg.num_kvcache_blocks is not None:
             num_blocks = cfg.num_kvcache_blocks
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            in_use = total - free
-            available = total * cfg.gpu_memory_utilization - in_use - self.peak_activation_bytes
-            num_blocks = int(available // block_bytes)
-            if num_blocks < 1:
-                raise ValueError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB total, "
-                                 f"{in_use / 2**30:.1f} GiB in use, {self.peak_activation_bytes / 2**30:.1f} GiB of "
-                                 f"activations at gpu_memory_utilization={cfg.gpu_memory_utilization}; raise "
-                                 "gpu_memory_utilization or lower max_num_batched_tokens")
+            num_blocks = self._gpu_blocks_that_fit(block_bytes)
         else:
             num_blocks = default_cpu_num_blocks(cfg)
+        return num_blocks
+
+    def _gpu_blocks_that_fit(self, block_bytes: int) -> int:
+        """KV blocks within this engine's share of the GPU and within what is free now."""
+        cfg, gib = self.config, 2**30
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        own = torch.cuda.memory_allocated(self.device) - self.baseline_bytes  # weights and buffers
+        share = total * cfg.gpu_memory_utilization
+        budget = share - own - self.peak_activation_bytes                     # this engine's share
+        room = free - (total - share) - self.peak_activation_bytes            # leave the rest free
+        num_blocks = int(min(budget, room) // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no GPU memory left for the KV cache on {self.device}: gpu_memory_utilization="
+                f"{cfg.gpu_memory_utilization} gives this engine {share / gib:.1f} of {total / gib:.1f} GiB "
+                f"and leaves {(total - share) / gib:.1f} GiB free; its weights take {own / gib:.2f} GiB and "
+                f"its activations {self.peak_activation_bytes / gib:.2f} GiB, and other engines or processes "
+                f"hold {(total - free - own) / gib:.1f} GiB. Close engines you no longer use (LLM.close()), "
+                "lower their gpu_memory_utilization, or lower max_num_batched_tokens")
         return num_blocks
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -206,7 +227,7 @@ class ModelRunner:
             else:
                 slot_mapping += [-1] * (end - start)
         has_cached_keys = cu_seqlens_k[-1] > cu_seqlens_q[-1]
-        set_context(is_prefill=True, cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
+        self.step.set(is_prefill=True, cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
                     cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32), max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, slot_mapping=self._tensor(slot_mapping, torch.int32),
                     block_tables=self._block_tables(seqs) if has_cached_keys else None)
@@ -218,8 +239,9 @@ class ModelRunner:
         rows = [[seq.last_token, seq.num_tokens - 1, seq.block_table[-1] * b + (seq.num_tokens - 1) % b,
                  seq.num_tokens, *seq.block_table, *[-1] * (width - len(seq.block_table))] for seq in seqs]
         packed = self._tensor(rows, torch.int64)  # [B, 4 + max_blocks]: one host-to-device copy per step
-        set_context(is_prefill=False, slot_mapping=packed[:, 2].contiguous(), max_seqlen_k=max(r[3] for r in rows),
-                    context_lens=packed[:, 3].to(torch.int32), block_tables=packed[:, 4:].to(torch.int32))
+        self.step.set(is_prefill=False, slot_mapping=packed[:, 2].contiguous(),
+                      max_seqlen_k=max(r[3] for r in rows), context_lens=packed[:, 3].to(torch.int32),
+                      block_tables=packed[:, 4:].to(torch.int32))
         return packed[:, 0].contiguous(), packed[:, 1].contiguous()  # input_ids [B], positions [B]
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -233,6 +255,8 @@ class ModelRunner:
         """Queue one step (forward pass and sampling) on every rank without waiting for its tokens.
 
         With `after`, a decode step planned ahead: row i's input token is row source_rows[i] of that step's output."""
+        if self.closed:
+            raise RuntimeError("this model runner is closed")
         if any(seq.block_size != self.block_size for seq in seqs):
             raise ValueError(f"a sequence's block_size differs from the engine's kvcache_block_size {self.block_size}")
         if after is not None and (is_prefill or self.driver is not None or source_rows is None
@@ -248,7 +272,7 @@ class ModelRunner:
                     after.token_ids[self._tensor(source_rows, torch.int64)]  # [B]: sampled on the device, never copied
             batch = self.prepare_sample(seqs) if self.rank == 0 else None
             if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-                ctx = get_context()
+                ctx = self.step.current
                 hidden = self.graphs.replay(input_ids, positions, ctx.slot_mapping, ctx.context_lens,
                                             ctx.block_tables, ctx.max_seqlen_k)  # [num_seqs, hidden]
             else:
@@ -269,7 +293,7 @@ class ModelRunner:
                 self.driver.failed(e)  # shuts the other ranks down; raises an error naming a rank that died
             raise
         finally:
-            reset_context()
+            self.step.reset()
 
     def collect(self, step: LaunchedStep) -> list[int]:
         """Wait for a launched step's token ids and return them (an empty list on ranks other than 0)."""
@@ -292,10 +316,21 @@ class ModelRunner:
             self.run(*args)
 
     def close(self) -> None:
-        """Stop the other ranks (on rank 0 of several) and drop the KV pool; idempotent."""
+        """Stop the other ranks, then give back every byte: KV pool, graphs, weights; idempotent."""
         driver, self.driver = self.driver, None
         if driver is not None:
             driver.close()
-        self.kv_cache = None
+        if self.closed:
+            return
+        self.closed = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
+            layer.backend = None
+        self.attention_layers = []
+        self.kv_cache = self.graphs = self.model = self.sampler = self.backend = None
+        self.step.reset()
+        gc.collect()                      # the model's modules refer to each other: free them now
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()      # hand the cached blocks back to the driver
+

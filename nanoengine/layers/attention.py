@@ -9,7 +9,7 @@ __all__ = ['varlen_causal_attention', 'Attention']
 import torch
 from torch import nn
 
-from ..utils.context import get_context
+from ..utils.context import DEFAULT_STEP
 
 
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -41,10 +41,11 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = None
+        self.step_context = DEFAULT_STEP  # the model runner binds its own (section 04.1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, Hq, D], k and v [N, Hk, D] -> [N, Hq, D]."""
-        context = get_context()
+        context = self.step_context.current
         if self.backend is not None:
             return self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale)
         if context.cu_seqlens_q is None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..utils.checks import check_int
-from ..utils.context import get_context
+from ..utils.context import DEFAULT_STEP
 from ..utils.dist import all_reduce, tp_rank, tp_size
 
 
@@ -55,9 +55,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             raise ValueError("ParallelLMHead does not support bias=True")
         super().__init__(num_embeddings, embedding_dim)
+        self.step_context = DEFAULT_STEP  # the model runner binds its own (section 04.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        context = get_context()
+        context = self.step_context.current
         if context.is_prefill:
             if context.cu_seqlens_q is None:
                 raise ValueError("a prefill Context needs cu_seqlens_q")

@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['FLASH_BLOCK_MULTIPLE', 'FLASH_ONE_SPLIT_MAX_KEYS', 'key_slots', 'AttentionBackend', 'TorchBackend', 'FlashBackend',
-           'flash_attn_available', 'flash_unavailable_reason', 'get_attention_backend']
+           'flash_attn_available', 'flash_unavailable_reason', 'flash_probe', 'get_attention_backend']
 
 # %% ../../notebooks/08_paged_attention.ipynb #13145dff
 import importlib
+import warnings
 
 import torch
 
@@ -153,20 +154,79 @@ def flash_unavailable_reason(device: str | torch.device, block_size: int) -> str
     return None
 
 
-def get_attention_backend(name: str = "auto", *, device: str | torch.device, block_size: int) -> AttentionBackend:
-    """The attention backend `name` for this device and block size; "auto" prefers FlashAttention when it can run."""
+# %% ../../notebooks/08_paged_attention.ipynb #3e762e13
+def _probe_steps(block_size: int, device: torch.device) -> list[Context]:
+    """Three miniature steps: fresh prefill of 4 + 3 tokens, 3 tokens over 2 cached, decode of 2 rows."""
+    def t(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+    b = block_size
+    fresh = Context(is_prefill=True, cu_seqlens_q=t([0, 4, 7]), cu_seqlens_k=t([0, 4, 7]), max_seqlen_q=4,
+                    max_seqlen_k=4, slot_mapping=t([-1] * 7))
+    cached = Context(is_prefill=True, cu_seqlens_q=t([0, 3]), cu_seqlens_k=t([0, 5]), max_seqlen_q=3,
+                     max_seqlen_k=5, slot_mapping=t([b + 2, b + 3, b + 4]), block_tables=t([[1]]))
+    decode = Context(slot_mapping=t([b + 5, 2 * b]), max_seqlen_k=6, context_lens=t([6, 1]),
+                     block_tables=t([[1], [2]]))
+    return [fresh, cached, decode]
+
+
+def flash_probe(backend: AttentionBackend, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype, device: str | torch.device, block_size: int,
+                atol: float = 3e-2) -> str | None:
+    """Why `backend` disagrees with TorchBackend on three miniature steps of this shape, or None."""
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    caches = (rand(3, block_size, num_kv_heads, head_dim), rand(3, block_size, num_kv_heads, head_dim))
+    for ctx in _probe_steps(block_size, device):
+        n = len(ctx.slot_mapping)
+        q, k, v = rand(n, num_heads, head_dim), rand(n, num_kv_heads, head_dim), rand(n, num_kv_heads, head_dim)
+        kind = "prefill" if ctx.is_prefill else "decode"
+        try:
+            got = backend.forward(q, k, v, *(x.clone() for x in caches), ctx, head_dim ** -0.5)
+        except Exception as error:                      # a build without this head dim raises
+            return f"{kind} raised {type(error).__name__}: {error}"
+        want = TorchBackend().forward(q, k, v, *(x.clone() for x in caches), ctx, head_dim ** -0.5)
+        diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("inf")
+        if not diff <= atol:
+            return f"{kind} differs from the PyTorch reference by {diff:.3g} (allowed {atol})"
+    return None
+
+# %% ../../notebooks/08_paged_attention.ipynb #f26462eb
+def get_attention_backend(name: str = "auto", *, device: str | torch.device, block_size: int,
+                          shape: tuple[int, int, int] | None = None,
+                          dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The attention backend `name` for this device and block size; "auto" prefers FlashAttention.
+
+    With `shape` = (num_heads, num_kv_heads, head_dim) and `dtype`, FlashAttention must pass flash_probe."""
     if not isinstance(name, str) or name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     block_size = check_int("block_size", block_size, minimum=1)
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device must be a torch.device or a device string such as 'cuda', got {device!r}") from error
+        raise ValueError("device must be a torch.device or a device string such as 'cuda', "
+                         f"got {device!r}") from error
     if name == "torch":
         return TorchBackend()
     reason = flash_unavailable_reason(device, block_size)
+    probe_failed = False
+    if reason is None and shape is not None:
+        num_heads, num_kv_heads, head_dim = shape
+        wrong = flash_probe(FlashBackend(), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, dtype=dtype or torch.bfloat16, device=device,
+                            block_size=block_size)
+        if wrong is not None:
+            probe_failed = True
+            reason = (f"the installed flash-attn fails a start-up check at head_dim {head_dim} in "
+                      f"{dtype}: {wrong}; rebuild it with this head dim (scripts/build_flash_attn.sh, "
+                      'HEAD_DIMS="...") or use attention_backend="torch"')
     if name == "flash":
         if reason is not None:
             raise ValueError(f"attention backend 'flash' is unavailable: {reason}")
         return FlashBackend()
+    if probe_failed:
+        warnings.warn(f"using the PyTorch attention backend: {reason}", stacklevel=2)
     return TorchBackend() if reason is not None else FlashBackend()

@@ -1,0 +1,76 @@
+"""Both Triton kernels, run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
+
+The upper end is whatever `pip install` picked (the newest allowed); the lower end is installed by `make test` into
+.triton-low/ (or found on the device machine, whose image has it). A kernel line that one end cannot interpret
+fails here instead of on a reader's machine."""
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LOW_DIR = ROOT / ".triton-low"
+
+CHECK = r'''
+import torch
+import torch.nn.functional as F
+import triton
+from nanoengine.layers.gemv import gemv
+from nanoengine.layers.kv_store import store_kv_torch, store_kv_triton
+for m, n, k, bias in [(1, 40, 700, True), (3, 33, 1030, False), (4, 64, 512, True), (2, 5, 17, False)]:
+    g = torch.Generator().manual_seed(m * n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    torch.testing.assert_close(gemv(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+for n, h, d, blocks, bs in [(6, 2, 8, 5, 4), (9, 3, 12, 4, 8), (1, 1, 4, 1, 1)]:
+    g = torch.Generator().manual_seed(n)
+    key, value = torch.randn(n, h, d, generator=g), torch.randn(n, h, d, generator=g)
+    slots = torch.randperm(blocks * bs, generator=g)[:n]
+    slots[0] = -1 if n > 1 else slots[0]
+    caches = [torch.zeros(blocks, bs, h, d) for _ in range(4)]
+    store_kv_triton(key, value, caches[0], caches[1], slots)
+    store_kv_torch(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+print(triton.__version__)
+'''
+
+
+def declared_range() -> tuple[str, str]:
+    """The (lower, upper) bounds of triton in pyproject.toml's dependencies."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    spec = next(d for d in deps if re.match(r"triton\b", d))
+    return re.search(r">=\s*([\d.]+)", spec).group(1), re.search(r"<\s*([\d.]+)", spec).group(1)
+
+
+def run_check(extra_path: Path | None = None) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    if extra_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(extra_path), str(ROOT)])
+    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", v)[:3])
+
+
+def test_the_installed_triton_is_in_the_declared_range_and_interprets_both_kernels():
+    low, high = declared_range()
+    version = run_check()
+    assert version_tuple(low) <= version_tuple(version) < version_tuple(high), (version, low, high)
+
+
+def test_the_lowest_declared_triton_interprets_both_kernels():
+    low, _ = declared_range()
+    import triton
+    if version_tuple(triton.__version__)[:2] == version_tuple(low)[:2]:
+        assert version_tuple(run_check())[:2] == version_tuple(low)[:2]   # this machine is the lower end
+        return
+    if not (LOW_DIR / "triton").is_dir():
+        pytest.skip(f"triton {low} is not in {LOW_DIR} (make test installs it there)")
+    assert version_tuple(run_check(LOW_DIR))[:2] == version_tuple(low)[:2]
