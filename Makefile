@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # pip prints one harmless line per missing local mirror on our machines; keep the log readable.
 QUIET := grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: book test install export clean
+.PHONY: book test install export clean gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ TRITON_LOW := $(shell sed -n 's/.*"triton>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 test: install .triton-low/triton
 	bash tests/browser_setup.sh
 	$(BIN)/python -m pytest -q
+
+# On a machine with a CUDA GPU (and flash-attn): every test with CUDA visible, then every notebook with all its cells.
+gpu-check: install
+	$(BIN)/pip install -q nbclient ipykernel 2>&1 | $(QUIET)
+	$(BIN)/python scripts/gpu_check.py --executed _build/gpu_notebooks
 
 export: install
 	$(BIN)/nbdev-export
