@@ -151,4 +151,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)  # [N, in/P] -> partial [N, out]
-        return all_reduce(y)
+        return all_reduce(y) if self.tp_size > 1 else y  # the size it was built for

@@ -12,7 +12,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .checks import InvalidTypeError
@@ -55,6 +55,15 @@ def _expected_names(params: dict[str, nn.Parameter], mapping: dict) -> dict[str,
     return expected
 
 
+def _open_checkpoint(file: Path):
+    """safe_open(file); a damaged or truncated file is an OSError that names it."""
+    try:
+        return safe_open(file, "pt", "cpu")
+    except SafetensorError as e:
+        raise OSError(f"checkpoint file {str(file)!r} is not a readable safetensors file ({e}); it is probably "
+                      "truncated or corrupt: copy or download it again") from None
+
+
 def _listing(names) -> str:
     names = sorted(names)
     return ", ".join(names[:8]) + (f", ... ({len(names) - 8} more)" if len(names) > 8 else "")
@@ -81,7 +90,7 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
     plan: dict[str, tuple[Path, str, object]] = {}
     unexpected, bad_shapes, fused_rows = [], [], {}
     for file in files:
-        with safe_open(file, "pt", "cpu") as f:
+        with _open_checkpoint(file) as f:
             for name in f.keys():
                 if name in plan:
                     raise ValueError(f"tensor {name!r} appears in two checkpoint files ({plan[name][0].name}, {file.name})")
@@ -114,7 +123,7 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
                          + " | ".join(p for p in problems if p))
     with torch.no_grad():
         for file in files:
-            with safe_open(file, "pt", "cpu") as f:
+            with _open_checkpoint(file) as f:
                 for name in f.keys():
                     if name not in plan:
                         continue
@@ -126,6 +135,9 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
                             weight_loader(param, f.get_tensor(name))
                         else:
                             weight_loader(param, f.get_tensor(name), shard_id)
+                    except SafetensorError as e:
+                        raise OSError(f"reading tensor {name!r} from {str(file)!r} failed ({e}); the file is "
+                                      "probably corrupt") from None
                     except (RuntimeError, ValueError) as e:
                         raise ValueError(f"loading checkpoint tensor {name!r} into {pname!r} failed: {e}") from e
 
@@ -156,12 +168,17 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise OSError(f"model path {str(model)!r} is a file, not a checkpoint directory")
+    offline = not _hub_reachable()
     try:
         from huggingface_hub import snapshot_download
-        local = Path(snapshot_download(str(model), allow_patterns=HUB_PATTERNS, local_files_only=not _hub_reachable(),
+        local = Path(snapshot_download(str(model), allow_patterns=HUB_PATTERNS, local_files_only=offline,
                                        etag_timeout=10))
     except Exception as e:
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if offline:
+            reason = ("the Hub is unreachable or HF_HUB_OFFLINE is set, and the Hugging Face cache has no copy; "
+                      "go online (and unset HF_HUB_OFFLINE) to download it, or pass a local directory")
+        else:
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise OSError(f"model {str(model)!r} is neither a local directory nor a model id that could be downloaded "
                       f"from the Hugging Face Hub ({reason})") from None
     if not (local / "config.json").is_file():
