@@ -168,6 +168,10 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise OSError(f"model path {str(model)!r} is a file, not a checkpoint directory")
+    prefix = f"model {str(model)!r} is neither a local directory nor a model id that could be downloaded from the " \
+             "Hugging Face Hub"
+    if path.is_absolute() or str(model).startswith((".", "~")) or str(model).count("/") > 1:
+        raise OSError(f"{prefix} (no such directory, and not a Hub id of the form 'owner/name')")
     offline = not _hub_reachable()
     try:
         from huggingface_hub import snapshot_download
@@ -179,8 +183,7 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
                       "go online (and unset HF_HUB_OFFLINE) to download it, or pass a local directory")
         else:
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise OSError(f"model {str(model)!r} is neither a local directory nor a model id that could be downloaded "
-                      f"from the Hugging Face Hub ({reason})") from None
+        raise OSError(f"{prefix} ({reason})") from None
     if not (local / "config.json").is_file():
         raise OSError(f"model {str(model)!r} was downloaded to {str(local)!r} but has no config.json")
     return local
