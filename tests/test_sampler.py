@@ -235,3 +235,14 @@ def test_unseeded_rows_follow_the_global_generator():
     first = Sampler()(logits, b)
     torch.manual_seed(3)
     assert torch.equal(Sampler()(logits, b), first)
+
+
+@pytest.mark.parametrize("temperature", [1e-44, 1e-46, 1e-30, 9.99e-6])
+def test_temperatures_below_the_threshold_are_greedy_without_nan(temperature):
+    """Issue 16: 1e-44 used to give NaN logits (token 0 forever), 1e-46 float32 zero (sampling at T=1)."""
+    from nanoengine.sampling_params import MIN_TEMPERATURE
+    assert temperature < MIN_TEMPERATURE and SP(temperature=temperature).greedy
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(1)) * 4
+    batch = batch_of([SP(temperature=temperature), SP(temperature=temperature, seed=3), SP(top_k=5)] + [SP()] * 5)
+    tokens = Sampler()(logits, batch)
+    assert torch.equal(tokens[:2], logits.argmax(-1)[:2])
