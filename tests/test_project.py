@@ -96,8 +96,8 @@ def test_environment_yml_installs_the_package_with_python_and_pip():
 
 # --- the extras contract -------------------------------------------------------------------------------------------
 
-def test_extras_are_exactly_gpu_book_test_dev():
-    assert set(EXTRAS) == {"gpu", "book", "test", "dev"}
+def test_extras_are_exactly_gpu_book_serve_test_dev():
+    assert set(EXTRAS) == {"gpu", "book", "serve", "test", "dev"}
 
 
 def test_extras_contents():
@@ -105,8 +105,10 @@ def test_extras_contents():
     assert "flash-attn" in names(gpu)
     assert {"jupyter-book<2,>=1", "ipywidgets", "matplotlib"} <= book, sorted(book)
     assert {"pytest", "nbval", "hypothesis"} <= names(test), sorted(test)
+    serve = expand_extra("serve")
+    assert {"fastapi", "uvicorn"} <= names(serve), sorted(serve)
     dev = expand_extra("dev")
-    assert book | test <= dev, f"dev lacks {sorted((book | test) - dev)}"
+    assert book | serve | test <= dev, f"dev lacks {sorted((book | serve | test) - dev)}"
     assert "nbdev" in names(dev)
     # dev must install on a machine without CUDA: flash-attn only builds against a CUDA toolkit.
     assert "flash-attn" not in names(dev | RUNTIME), "flash-attn belongs in the gpu extra only"

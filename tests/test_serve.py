@@ -1,0 +1,336 @@
+"""The OpenAI-compatible server (chapter 16), driven as a real process by the official openai client on CPU."""
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.utils.checkpoint import write_random_checkpoint
+from nanoengine.utils.dist import free_port
+
+ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "512", "--kvcache-block-size", "16",
+                "--num-kvcache-blocks", "256", "--max-num-seqs", "64"]
+ENGINE_KWARGS = dict(device="cpu", max_model_len=512, kvcache_block_size=16, num_kvcache_blocks=256,
+                     max_num_seqs=64)
+MODEL = "tiny"  # --served-model-name
+
+
+def start_server(ckpt: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`python -m nanoengine.serve` on a free port; returns the process and its base URL once /health answers."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    with open(log, "w") as out:  # a file, not a pipe: a full pipe would block the server
+        proc = subprocess.Popen([sys.executable, "-m", "nanoengine.serve", str(ckpt), "--port", str(port),
+                                 "--served-model-name", MODEL, *ENGINE_FLAGS, *flags],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"the server did not start:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    proc, url = start_server(ckpt, tmp_path_factory.mktemp("log") / "server.log")
+    yield proc, url
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server[1]
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt) -> LLM:
+    return LLM(ckpt, **ENGINE_KWARGS)
+
+
+def stats(url: str, since_step: int = 0) -> dict:
+    return httpx.get(f"{url}/stats", params={"since_step": since_step}, timeout=30).json()
+
+
+def wait_all_blocks_free(url: str, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats(url)
+        if (s["num_free_blocks"] == s["num_blocks"] and not s["num_running"] and not s["num_waiting"]) \
+                or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+PROMPTS = ["Hello, my name is", "The capital of France is", [5, 17, 99, 3, 250], "a"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+def test_health_and_models(client, url):
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].object == "model"
+
+
+def test_greedy_completions_equal_generate(client, llm):
+    expected = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    got = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=20, temperature=0)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [e["text"] for e in expected]
+    assert [c.finish_reason for c in got.choices] == [e["finish_reason"] for e in expected]
+    assert got.usage.prompt_tokens == sum(len(e["prompt_token_ids"]) for e in expected)
+    assert got.usage.completion_tokens == sum(len(e["token_ids"]) for e in expected)
+    for prompt, e in zip(PROMPTS, expected):
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == e["text"]
+        assert [c.choices[0].finish_reason for c in chunks][-1] == e["finish_reason"]
+
+
+def test_greedy_chat_equals_llm_chat(client, llm):
+    expected = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == expected["text"]
+    assert got.choices[0].finish_reason == expected["finish_reason"]
+    assert got.usage.completion_tokens == len(expected["token_ids"])
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["text"]
+    assert chunks[-1].usage.completion_tokens == len(expected["token_ids"]) and not chunks[-1].choices
+
+
+def test_stop_strings_cut_the_text_and_never_stream_a_partial_stop(client, llm):
+    full = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=40,
+                                                             ignore_eos=True), use_tqdm=False)[0]["text"]
+    cut = next(k for k in range(6, len(full) - 3) if full.find(full[k:k + 3]) == k)  # a 3-character stop
+    stop = full[cut:cut + 3]
+    kwargs = dict(model=MODEL, prompt="Hello, my name is", max_tokens=40, temperature=0, stop=[stop, "never"],
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    assert (whole.text, whole.finish_reason) == (full[:cut], "stop")
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_and_seeded_sampling(client):
+    kwargs = dict(model=MODEL, prompt="Once", max_tokens=12, temperature=1.0, top_p=0.9, seed=7, n=3,
+                  extra_body={"top_k": 50})
+    first = client.completions.create(**kwargs)
+    second = client.completions.create(**kwargs)
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+
+
+BAD = [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": 0}, "top_k"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "x", "seed": -3}, "seed"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "stop": ["a", 3]}, "stop"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": 3}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1, 2, 10**9]}, "prompt"),
+    ({"prompt": "word " * 600}, "prompt"),
+    ({"prompt": "x", "max_tokens": 600}, "prompt"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
+def test_bad_requests_get_400_naming_the_field(url, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    for stream in (False, True):
+        r = httpx.post(url + path, json={"model": MODEL, **body, **({"stream": True} if stream else {})},
+                       timeout=30)
+        if param == "stream" and stream:
+            continue
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["param"] == param, error
+        assert error["message"]
+
+
+def test_unknown_model_404_and_other_errors(url, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
+    r = httpx.post(url + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert httpx.get(url + "/v2/nothing").status_code == 404
+    assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).choices[0].text is not None
+    assert wait_all_blocks_free(url)["num_free_blocks"] == 256
+
+
+async def stream_tokens(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> tuple[str, str]:
+    text, reason = "", None
+    async for chunk in await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                                       temperature=0, stream=True,
+                                                       extra_body={"ignore_eos": True}):
+        text += chunk.choices[0].text
+        reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+def test_32_concurrent_streams_share_decode_steps(url, llm):
+    prompts = [f"Request number {i} says" for i in range(32)]
+    before = stats(url)["num_steps"]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as aclient:
+            return await asyncio.gather(*(stream_tokens(aclient, p, 96) for p in prompts))
+
+    results = asyncio.run(run())
+    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=96, ignore_eos=True), use_tqdm=False)
+    assert [r[0] for r in results] == [e["text"] for e in expected]
+    assert {r[1] for r in results} == {"length"}
+    s = stats(url, since_step=before)
+    assert s["max_decode_batch"] >= 24, s  # the streams ran in the same decode steps, not one after another
+    assert s["num_decode_steps"] < 4 * 96, s
+    assert wait_all_blocks_free(url)["num_free_blocks"] == s["num_blocks"]
+
+
+def test_a_disconnecting_client_is_aborted_and_frees_its_blocks(url):
+    before = stats(url)["num_steps"]
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 480, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(8)]
+    assert any(line.startswith("data: {") for line in got)
+    s = wait_all_blocks_free(url)
+    assert s["num_free_blocks"] == s["num_blocks"] and s["num_running"] == 0
+    assert s["num_steps"] - before < 480, "the request was aborted, not run to its 480 tokens"
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+async def load(url: str, num_requests: int, num_clients: int, seed: int) -> list[int]:
+    """`num_requests` mixed requests from `num_clients` concurrent clients; returns their HTTP statuses."""
+    rng = random.Random(seed)
+    todo = list(range(num_requests))
+    statuses = []
+
+    async def client_task(http: httpx.AsyncClient) -> None:
+        while todo:
+            i = todo.pop()
+            body = {"model": MODEL, "prompt": f"load {i} " * rng.randint(1, 20), "max_tokens": rng.randint(1, 12),
+                    "temperature": rng.choice([0, 0.8]), "stream": i % 2 == 0}
+            if i % 7 == 0:
+                body["max_tokens"] = 0  # a bad request now and then
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                lines = [line async for line in r.aiter_lines() if line]
+            statuses.append(r.status_code)
+            if r.status_code == 200 and body["stream"]:
+                assert lines[-1] == "data: [DONE]"
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        await asyncio.gather(*(client_task(http) for _ in range(num_clients)))
+    return statuses
+
+
+def test_load_leaks_no_blocks_and_no_memory(server):
+    proc, url = server
+    asyncio.run(load(url, 200, 32, seed=0))  # warm up: allocator pools, caches, connection handling
+    rss_before = rss_bytes(proc.pid)
+    t0 = time.perf_counter()
+    statuses = asyncio.run(load(url, 1000, 32, seed=1))
+    seconds = time.perf_counter() - t0
+    rss_growth = rss_bytes(proc.pid) - rss_before
+    print(f"1000 requests from 32 clients in {seconds:.1f} s; server RSS grew {rss_growth / 2**20:.1f} MiB")
+    assert statuses.count(400) == len([i for i in range(1000) if i % 7 == 0])
+    assert statuses.count(200) == 1000 - statuses.count(400)
+    s = wait_all_blocks_free(url)
+    assert s["num_free_blocks"] == s["num_blocks"] and s["num_running"] == s["num_waiting"] == 0
+    assert rss_growth < 40 * 2**20, f"server memory grew {rss_growth / 2**20:.1f} MiB over 1000 requests"
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def live_workers(pid: int) -> list[int]:
+    """Tensor-parallel workers (spawned processes) whose parent is `pid`, zombies left out."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_sigterm_stops_the_server_and_its_tensor_parallel_workers(ckpt, tmp_path):
+    proc, url = start_server(ckpt, tmp_path / "tp.log", "--tensor-parallel-size", "2")
+    workers = live_workers(proc.pid)
+    assert len(workers) == 1, "the second rank runs in a child process"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.completions.create(model=MODEL, prompt="forever", max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # a request is in flight
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=15)
+    finally:
+        stop(proc)
+    seconds = time.monotonic() - t0
+    assert code == 0, (tmp_path / "tp.log").read_text()[-3000:]
+    assert seconds < 10, f"SIGTERM took {seconds:.1f} s"
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{workers[0]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{workers[0]}").exists(), "the worker outlived the server"
+    stream.close()
