@@ -1,0 +1,105 @@
+"""Latency under load for chapter 16c: TTFT and ITL against the offered request rate, on a GPU machine.
+
+Starts `python -m nanoengine.serve` on the benchmark model (random-weight Qwen3-0.6B unless --model is given),
+sweeps offered request rates with open-loop Poisson arrivals (nanoengine.serve_load), and writes JSON with its
+provenance:
+
+    python3 benchmarks/serve_load.py benchmarks/serve_h200.json
+
+Needs fastapi, uvicorn and httpx (the `serve` extra).
+"""
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nanoengine.bench import ensure_checkpoint, provenance  # noqa: E402
+from nanoengine.serve_load import run_rate, saturation_rate  # noqa: E402
+from nanoengine.utils.dist import free_port  # noqa: E402
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not become healthy")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", help="where to write the JSON")
+    p.add_argument("--model", help="checkpoint directory (default: random-weight --preset)")
+    p.add_argument("--preset", default="qwen3-0.6b")
+    p.add_argument("--rates", default="1,2,4,8,16,32,48,64,96,128,192,256",
+                   help="offered requests per second, comma-separated")
+    p.add_argument("--seconds", type=float, default=15.0, help="arrival window per rate")
+    p.add_argument("--min-requests", type=int, default=32)
+    p.add_argument("--max-requests", type=int, default=3000)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=10_000, help="prompt token ids are drawn below this")
+    p.add_argument("--server-args", default="--max-model-len 4096",
+                   help="extra flags for python -m nanoengine.serve")
+    args = p.parse_args(argv)
+    model = Path(args.model) if args.model else ensure_checkpoint(args.preset)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = Path(args.out).with_suffix(".server.log")
+    cmd = [sys.executable, "-m", "nanoengine.serve", str(model), "--port", str(port),
+           "--served-model-name", "bench", *args.server_args.split()]
+    print(" ".join(cmd), flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        wait_healthy(url, proc, timeout=900)  # CUDA graphs and compilation take a while
+        asyncio.run(run_rate(url, "bench", 8, 32, args.prompt_len, args.max_tokens, args.vocab_size,
+                             seed=999))  # warm-up
+        points = []
+        for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+            n = int(min(args.max_requests, max(args.min_requests, rate * args.seconds)))
+            point = asyncio.run(run_rate(url, "bench", rate, n, args.prompt_len, args.max_tokens,
+                                         args.vocab_size, seed=i))
+            points.append(point)
+            print(f"rate {rate:6.1f}/s: achieved {point['achieved_rate']:6.1f}/s, "
+                  f"{point['output_tokens_per_s']:8.0f} tok/s, TTFT p50 {point['ttft_p50'] * 1e3:8.1f} ms "
+                  f"p90 {point['ttft_p90'] * 1e3:8.1f} ms, ITL p50 {point['itl_p50'] * 1e3:6.2f} ms "
+                  f"p90 {point['itl_p90'] * 1e3:6.2f} ms", flush=True)
+            if point["ttft_p50"] > 30 or point["num_ok"] < point["num_requests"]:
+                break  # deep past saturation: the next rates only queue longer
+        stats = httpx.get(url + "/stats", timeout=30).json()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    result = {"provenance": provenance(), "model": str(model), "model_name": f"random-weight {args.preset}"
+              if not args.model else Path(args.model).name, "server_command": cmd[1:],
+              "workload": {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                           "arrivals": "Poisson (open loop)", "seconds_per_rate": args.seconds,
+                           "client": "httpx on the same machine, streamed, ignore_eos"},
+              "points": points, "saturation_rate": saturation_rate(points), "final_stats": stats}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"saturation at {result['saturation_rate']} requests/s; wrote {args.out}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
