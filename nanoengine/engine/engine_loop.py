@@ -6,7 +6,7 @@
 __all__ = ['TextStream', 'Submission', 'Accepted', 'Rejected', 'Failed', 'Delta', 'LiveRequest', 'admit', 'publish',
            'apply_command', 'EngineLoop', 'engine_stats']
 
-# %% ../../notebooks/16_serve.ipynb #2d8b9673
+# %% ../../notebooks/16_serve.ipynb #6daf3d9b
 import queue
 import threading
 from collections import deque
@@ -73,7 +73,7 @@ class TextStream:
         out, self.num_sent = self.text[self.num_sent:end], max(self.num_sent, end)
         return out
 
-# %% ../../notebooks/16_serve.ipynb #d57280c4
+# %% ../../notebooks/16_serve.ipynb #e05c549e
 @dataclass(slots=True)
 class Submission:
     """A checked request on its way into the engine thread."""
@@ -120,7 +120,7 @@ class LiveRequest:
     emit: Callable[[object], None]
     done: list[bool]
 
-# %% ../../notebooks/16_serve.ipynb #661236e0
+# %% ../../notebooks/16_serve.ipynb #d032fc9f
 def admit(engine: LLMEngine, submission: Submission) -> list[Sequence]:
     """Tokenize and check every prompt of a request, then queue its sequences (all or none)."""
     prompts, tokenizer = submission.prompts, engine.tokenizer
@@ -161,12 +161,11 @@ def publish(engine: LLMEngine, request: LiveRequest) -> bool:
             stream.finish()
             reason = "stop" if stream.stopped else seq.finish_reason
         text = stream.release(finished=reason is not None)
-        if text or reason is not None:
-            request.emit(Delta(i, text, len(stream.token_ids), reason))
+        request.emit(Delta(i, text, len(stream.token_ids), reason))  # text may be empty
         request.done[i] = reason is not None
     return all(request.done)
 
-# %% ../../notebooks/16_serve.ipynb #90897e32
+# %% ../../notebooks/16_serve.ipynb #642c9f84
 def apply_command(engine: LLMEngine, live: dict[int, LiveRequest], command: tuple) -> bool:
     """Apply one command on the engine thread; False when it is the command to stop."""
     kind, *args = command
@@ -192,7 +191,7 @@ def apply_command(engine: LLMEngine, live: dict[int, LiveRequest], command: tupl
             future.set_exception(e)
     return kind != "stop"
 
-# %% ../../notebooks/16_serve.ipynb #325814bd
+# %% ../../notebooks/16_serve.ipynb #3e58d644
 class EngineLoop:
     """A thread that owns one engine: requests enter through a queue, results leave by callbacks."""
 
@@ -295,7 +294,7 @@ class EngineLoop:
             elif kind == "call" and not args[1].done():
                 args[1].set_exception(RuntimeError(message))
 
-# %% ../../notebooks/16_serve.ipynb #8e29f370
+# %% ../../notebooks/16_serve.ipynb #1cb15880
 def engine_stats(engine: LLMEngine, since_step: int = 0) -> dict:
     """What the engine is doing (run on the engine thread): queues, KV blocks, decode batches."""
     bm = engine.scheduler.block_manager
