@@ -119,3 +119,80 @@ def test_gemv_equals_f_linear_and_is_chosen_only_where_clearly_faster():
     report = choose_gemv(weights)
     assert set(report) == {"1024x2048 rows=1", "1024x2048 rows=2", "1024x2048 rows=4"}
     assert all(r["gemv"] == (r["cublas_us"] > GEMV_MARGIN * r["gemv_us"]) for r in report.values())
+
+
+MIB = 2**20
+
+
+def allocated_and_reserved() -> tuple[int, int]:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+def test_close_gives_the_gpu_back_and_a_second_engine_starts(ckpt):
+    """LLM -> close -> LLM, with the pool sized from memory (most of the GPU) and CUDA graphs captured."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    before, _ = allocated_and_reserved()
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(ckpt, kvcache_block_size=256, max_model_len=1024, max_num_seqs=64, gpu_memory_utilization=0.8)
+    first = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0]["token_ids"]
+    held, _ = allocated_and_reserved()
+    assert held - before > 0.5 * torch.cuda.mem_get_info()[1], "the KV pool takes most of the GPU"
+    llm.close()
+    after, reserved = allocated_and_reserved()
+    print(f"held {held / MIB:,.0f} MiB; after close() {after - before:+,.0f} MiB allocated, "
+          f"{reserved / MIB:,.0f} MiB reserved")
+    assert after - before < 300 * MIB and reserved - before < 600 * MIB
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
+    with LLM(ckpt, kvcache_block_size=256, max_model_len=1024, max_num_seqs=64,
+             gpu_memory_utilization=0.8) as again:
+        assert again.generate([[5, 6, 7]], greedy, use_tqdm=False)[0]["token_ids"] == first
+    after, reserved = allocated_and_reserved()
+    assert after - before < 300 * MIB and reserved - before < 600 * MIB
+
+
+def test_gpu_memory_utilization_is_each_engines_share(ckpt):
+    """Two engines at 0.4 share one GPU; a third does not fit and says why; closing one makes room."""
+    kwargs = dict(kvcache_block_size=256, max_model_len=1024, enforce_eager=True, gpu_memory_utilization=0.4)
+    total = torch.cuda.mem_get_info()[1]
+    a, b = LLM(ckpt, **kwargs), LLM(ckpt, **kwargs)
+    try:
+        for llm in (a, b):
+            pool = llm.model_runner.kv_cache.numel() * llm.model_runner.kv_cache.element_size()
+            assert 0.3 * total < pool < 0.4 * total
+        with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.4 gives this engine .* LLM.close\(\)") \
+                as refused:
+            LLM(ckpt, **kwargs)
+        print(refused.value)
+        a.close()
+        with LLM(ckpt, **kwargs) as c:
+            assert c.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0]["token_ids"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_installed_flash_attn_is_probed_before_it_is_trusted():
+    """Head dim 128 (what our build compiles) passes the probe; a head dim the build lacks never reaches it."""
+    import warnings
+    from nanoengine.layers.paged_attention import (FlashBackend, TorchBackend, flash_attn_available, flash_probe,
+                                                   get_attention_backend)
+    if not flash_attn_available():
+        pytest.skip("flash-attn is not installed")
+    kw = dict(device="cuda", block_size=256, dtype=torch.bfloat16)
+    assert isinstance(get_attention_backend("auto", shape=(16, 8, 128), **kw), FlashBackend)
+    for head_dim in (64, 96):
+        reason = flash_probe(FlashBackend(), num_heads=4, num_kv_heads=2, head_dim=head_dim, **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            backend = get_attention_backend("auto", shape=(4, 2, head_dim), **kw)
+        print(f"head_dim {head_dim}: {reason or 'the build computes it correctly'}")
+        if reason is None:
+            assert isinstance(backend, FlashBackend)
+        else:
+            assert isinstance(backend, TorchBackend) and "start-up check" in str(caught[-1].message)
+            with pytest.raises(ValueError, match="rebuild it with this head dim"):
+                get_attention_backend("flash", shape=(4, 2, head_dim), **kw)
