@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['timed_request', 'percentile', 'run_rate', 'sweep', 'saturation_rate']
 
-# %% ../notebooks/16c_serve_load.ipynb #837a66c5
+# %% ../notebooks/16c_serve_load.ipynb #3b75451e
 import asyncio
 import json
 import random
@@ -40,7 +40,7 @@ async def timed_request(http: httpx.AsyncClient, model: str, prompt: list[int],
     itl = (last - first) / (num_tokens - 1) if num_tokens > 1 else None
     return {"ttft": first - t0, "itl": itl, "latency": last - t0, "num_tokens": num_tokens}
 
-# %% ../notebooks/16c_serve_load.ipynb #54cd022c
+# %% ../notebooks/16c_serve_load.ipynb #f5c88657
 def percentile(values: list[float], q: float) -> float | None:
     """The q-quantile (0..1) of the values, None if there are none."""
     values = sorted(v for v in values if v is not None)
