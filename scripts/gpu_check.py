@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -57,19 +58,24 @@ def provenance() -> dict:
             "transformers": version_of("transformers")}
 
 
-def run_tests(timeout: float, extra: list[str]) -> dict:
-    """pytest over tests/ with CUDA visible; counts from its JUnit report."""
-    report = ROOT / ".gpu_check_junit.xml"
-    ignored = {path: f"needs {module}" for path, module in NEEDS.items() if importlib.util.find_spec(module) is None}
-    cmd = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-           *[f"--ignore={path}" for path in ignored], *extra]
-    t0 = time.perf_counter()
+def _pytest(args: list[str], timeout: float, log) -> dict:
+    """One pytest run: counts and failing test names from its JUnit report; SIGINT at the time limit."""
+    report = ROOT / f".gpu_check_junit_{os.getpid()}.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=25", "-rfE",
+           "--tb=short", f"--junitxml={report}", *args]
+    log.write(f"$ {' '.join(cmd[1:])}\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
-        tail, timed_out = (proc.stdout + proc.stderr)[-4000:], False
-    except subprocess.TimeoutExpired as e:
-        tail, timed_out = str(e.stdout or "")[-4000:], True
-    seconds = round(time.perf_counter() - t0, 1)
+        proc.wait(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:  # pytest writes its report and summary on an interrupt
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        timed_out = True
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failures = []
     if report.exists():
@@ -83,9 +89,24 @@ def run_tests(timeout: float, extra: list[str]) -> dict:
             else:
                 counts["passed"] += 1
         report.unlink()
-    print(tail)
-    return {**counts, "seconds": seconds, "timed_out": timed_out, "failures": failures,
-            "not_run": ignored, "command": " ".join(cmd[1:])}
+    return {**counts, "timed_out": timed_out, "failures": failures}
+
+
+def run_tests(timeout: float, extra: list[str], workers: int, log_path: Path) -> dict:
+    """Every test file with CUDA visible: the GPU tests alone (they size engines from free memory), the rest
+    spread over `workers` processes by file when pytest-xdist is installed; counts summed."""
+    ignored = {path: f"needs {module}" for path, module in NEEDS.items() if importlib.util.find_spec(module) is None}
+    rest = [f"--ignore={path}" for path in ignored] + ["--ignore=tests/test_gpu.py"]
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        rest += ["-n", str(workers), "--dist", "loadfile"]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        gpu = _pytest(["tests/test_gpu.py", *extra], timeout / 3, log)
+        other = _pytest(["tests", *rest, *extra], timeout - (time.perf_counter() - t0), log)
+    print(log_path.read_text()[-6000:])
+    return {key: gpu[key] + other[key] for key in ("passed", "failed", "skipped", "failures")} | {
+        "timed_out": gpu["timed_out"] or other["timed_out"], "seconds": round(time.perf_counter() - t0, 1),
+        "not_run": ignored, "workers": workers, "log": str(log_path.relative_to(ROOT))}
 
 
 def run_notebook(path: Path, timeout: float, executed: Path | None) -> dict:
@@ -118,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--notebooks", nargs="*", default=None, help="names (stems) to run; default: all")
     parser.add_argument("--cell-timeout", type=float, default=600, help="seconds per cell")
     parser.add_argument("--tests-timeout", type=float, default=1200, help="seconds for the whole pytest run")
+    parser.add_argument("--workers", type=int, default=min(8, (os.cpu_count() or 2) // 2),
+                        help="pytest-xdist processes for the tests other than tests/test_gpu.py")
+    parser.add_argument("--tests-log", type=Path, default=ROOT / "_build" / "gpu_check_tests.log")
     parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args(argv)
     summary = {"provenance": provenance()}
@@ -126,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
         if previous.get("provenance", {}).get("commit") == summary["provenance"]["commit"]:
             summary = {**previous, "provenance": {**previous["provenance"], **summary["provenance"]}}
     if args.part in ("all", "tests"):
-        summary["tests"] = run_tests(args.tests_timeout, args.pytest_args)
+        args.tests_log.parent.mkdir(parents=True, exist_ok=True)
+        summary["tests"] = run_tests(args.tests_timeout, args.pytest_args, args.workers, args.tests_log)
     if args.part in ("all", "notebooks"):
         paths = sorted(NOTEBOOKS.glob("*.ipynb"))
         if args.notebooks:
