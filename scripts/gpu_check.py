@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--executed", type=Path, default=None, help="keep the executed notebooks here")
     parser.add_argument("--notebooks", nargs="*", default=None, help="names (stems) to run; default: all")
     parser.add_argument("--cell-timeout", type=float, default=600, help="seconds per cell")
+    parser.add_argument("--jobs", type=int, default=1, help="notebooks executed at once")
+    parser.add_argument("--alone", nargs="*", default=["13_benchmarks"],
+                        help="notebooks run before the others, by themselves (they size engines from free memory)")
     parser.add_argument("--tests-timeout", type=float, default=1200, help="seconds for the whole pytest run")
     parser.add_argument("--workers", type=int, default=min(8, (os.cpu_count() or 2) // 2),
                         help="pytest-xdist processes for the tests other than tests/test_gpu.py")
@@ -157,8 +161,14 @@ def main(argv: list[str] | None = None) -> dict:
         if args.notebooks:
             paths = [p for p in paths if p.stem in set(args.notebooks)]
         done = {r["name"]: r for r in summary.get("notebooks", [])}
-        for path in paths:
+        alone = [p for p in paths if p.stem in set(args.alone)]
+        for path in alone:
             done[path.stem] = run_notebook(path, args.cell_timeout, args.executed)
+        rest = [p for p in paths if p not in alone]
+        with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+            for result in pool.map(run_notebook, rest, [args.cell_timeout] * len(rest),
+                                   [args.executed] * len(rest)):
+                done[result["name"]] = result
         summary["notebooks"] = [done[name] for name in sorted(done)]
     notebooks = summary.get("notebooks", [])
     tests = summary.get("tests", {})
