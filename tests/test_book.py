@@ -27,9 +27,10 @@ CHROMIUM_ARGS = [
 # How myst-nb marks saved error output (checked against a built notebook with an exception and a stderr print),
 # plus docutils' inline error boxes.
 ERROR_OUTPUT_SELECTOR = ".output.traceback, .output.error, .output.stderr, .system-message"
-# Harmless JavaScript errors of the theme itself: Jupyter Book 1.x writes sphinx-thebe's config script twice
-# on notebook pages.
-KNOWN_JS_ERRORS = ("Identifier 'THEBE_JS_URL' has already been declared",)
+# A page with display math: MathJax (served with the book, book/_static/mathjax) must typeset it offline.
+MATH_PAGE = "book/five_ideas.html"
+# Addresses of content delivery networks: the site must load nothing from them.
+CDN = re.compile(r"(cdn\.jsdelivr\.net|unpkg\.com|cdnjs\.cloudflare\.com|mathjax@)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -64,6 +65,25 @@ def test_book_builds_with_warnings_as_errors(book_build):
             + "\n\nlast other lines of the log:\n" + "\n".join(others[-15:]),
             pytrace=False,
         )
+
+
+# --- what the built pages contain -----------------------------------------------------------------------------------
+
+def built_pages() -> list[Path]:
+    return sorted(HTML.rglob("*.html"))
+
+
+@pytest.mark.slow
+def test_site_loads_nothing_from_a_cdn(book_build):
+    found = [f"{p.relative_to(HTML)}: {m.group(0)}" for p in built_pages()
+             for m in [CDN.search(p.read_text(encoding="utf-8"))] if m]
+    assert not found, "pages that reference a CDN (an offline reader would miss them):\n" + "\n".join(found)
+
+
+@pytest.mark.slow
+def test_site_hides_nbval_markers(book_build):
+    found = [str(p.relative_to(HTML)) for p in built_pages() if "NBVAL_" in p.read_text(encoding="utf-8")]
+    assert not found, f"pages that show `# NBVAL_*` test markers: {found}"
 
 
 # --- what the table of contents promises ------------------------------------------------------------------------
@@ -142,6 +162,7 @@ def test_site_renders_in_headless_chromium(book_build):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("Debian's chromium is not installed; `bash tests/browser_setup.sh` installs it")
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     index, chapter = HTML / "index.html", HTML / CHAPTER_PAGE
@@ -162,7 +183,7 @@ def test_site_renders_in_headless_chromium(book_build):
             def request_failed(request):
                 if request.url.startswith("file:"):  # a missing file of the site itself
                     problems.append(f"could not load {request.url}: {request.failure}")
-                else:  # CDN assets (MathJax, thebe) cannot load offline; reported, not fatal
+                else:  # nothing should be remote; reported, not fatal (test_site_loads_nothing_from_a_cdn)
                     remote_failures.append(request.url)
 
             page.on("requestfailed", request_failed)
@@ -178,10 +199,16 @@ def test_site_renders_in_headless_chromium(book_build):
                 problems.append(f"{CHAPTER_PAGE}: no figure in the chapter")
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+            page.goto((HTML / MATH_PAGE).as_uri(), wait_until="load")
+            try:
+                page.wait_for_selector("mjx-container", timeout=15_000)
+            except PlaywrightTimeout:
+                problems.append(f"{MATH_PAGE}: MathJax typeset no formula (a reader sees raw TeX)")
         finally:
             browser.close()
 
-    problems += [f"JavaScript error: {e}" for e in js_errors if not any(k in e for k in KNOWN_JS_ERRORS)]
+    problems += [f"JavaScript error: {e}" for e in js_errors]
     print(f"screenshot: {SCREENSHOT}")
     if remote_failures:
         print("remote assets that did not load (offline?):", *sorted(set(remote_failures)), sep="\n  ")
