@@ -35,6 +35,7 @@ TRITON_LOW := $(shell sed -n 's/.*"triton>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 	$(BIN)/pip install -q --no-deps --target .triton-low "triton==$(TRITON_LOW).0" 2>&1 | $(QUIET)
 
 test: install .triton-low/triton
+	$(BIN)/ruff check
 	bash tests/browser_setup.sh
 	$(BIN)/python -m pytest -q
 
