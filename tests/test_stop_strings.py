@@ -1,0 +1,227 @@
+"""Stop strings (chapter 10, section 8): SamplingParams(stop=[...]) in generate and stream, on CPU."""
+import itertools
+import pickle
+import shutil
+
+import pytest
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.engine.llm_engine import StopChecker, find_stop, held_back
+from nanoengine.utils.checkpoint import write_random_checkpoint
+
+ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+PROMPTS = ["The engine is", "Once upon a time", "In a galaxy far away"]
+MAX = 24
+
+
+def params(stop=(), max_tokens=MAX):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=stop)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("stop") / "tiny", "tiny", seed=0,
+                                   tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(ckpt, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def plain(llm):
+    """Each prompt's greedy completion without stop strings."""
+    return llm.generate(PROMPTS, params(), use_tqdm=False)
+
+
+def prefix_texts(llm, token_ids):
+    return [llm.tokenizer.decode(token_ids[:k], skip_special_tokens=True)
+            for k in range(len(token_ids) + 1)]
+
+
+def spanning_stop(llm, out, after=4):
+    """A piece of `out`'s text (3 or 4 characters) that starts in one token and ends in the next."""
+    texts = prefix_texts(llm, out["token_ids"])
+    for k in range(after, len(texts) - 1):
+        a = min(2, len(texts[k]) - len(texts[k - 1]))
+        b = min(2, len(texts[k + 1]) - len(texts[k]))
+        piece = texts[k + 1][len(texts[k]) - a:len(texts[k]) + b]
+        if a >= 1 and b >= 1 and a + b >= 3 and texts[k + 1].startswith(texts[k]) \
+                and "\ufffd" not in piece:
+            return piece
+    pytest.skip("no token boundary with enough characters on each side")
+
+
+def check_stopped(llm, plain_out, out, stop):
+    """out stopped at the earliest stop string of `plain_out`'s text, keeping the completing token."""
+    cut = find_stop(plain_out["text"], tuple(stop))
+    assert cut >= 0
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == plain_out["text"][:cut]
+    n = len(out["token_ids"])
+    assert out["token_ids"] == plain_out["token_ids"][:n]
+    decoded = prefix_texts(llm, out["token_ids"])
+    assert find_stop(decoded[-1], tuple(stop)) >= 0 and find_stop(decoded[-2], tuple(stop)) < 0
+
+
+def test_generate_stops_at_a_stop_string_that_spans_tokens(llm, plain):
+    stop = spanning_stop(llm, plain[0])
+    out = llm.generate(PROMPTS[0], params([stop]), use_tqdm=False)[0]
+    check_stopped(llm, plain[0], out, [stop])
+    assert len(out["token_ids"]) < MAX
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and llm.is_finished()
+
+
+def test_the_earliest_of_several_stop_strings_wins(llm, plain):
+    text = plain[1]["text"]
+    late = spanning_stop(llm, plain[1], after=10)
+    early = spanning_stop(llm, plain[1], after=4)
+    assert text.find(early) < text.find(late)
+    for stop in ([late, early], [early, late], ["never \u2603 here", late, early]):
+        out = llm.generate(PROMPTS[1], params(stop), use_tqdm=False)[0]
+        check_stopped(llm, plain[1], out, stop)
+        assert out["text"] == text[:text.find(early)]
+
+
+def test_a_stop_string_that_never_appears_changes_nothing(llm, plain):
+    out = llm.generate(PROMPTS, params(["never \u2603 here"]), use_tqdm=False)
+    assert [(o["token_ids"], o["text"], o["finish_reason"]) for o in out] == \
+        [(o["token_ids"], o["text"], "length") for o in plain]
+
+
+def test_a_batch_mixing_stops_matches_each_request_alone(llm, plain):
+    stops = [[spanning_stop(llm, plain[0])], [], [spanning_stop(llm, plain[2], after=8)]]
+    together = llm.generate(PROMPTS, [params(s) for s in stops], use_tqdm=False)
+    alone = [llm.generate(p, params(s), use_tqdm=False)[0] for p, s in zip(PROMPTS, stops)]
+    assert together == alone
+    assert [o["finish_reason"] for o in together] == ["stop", "length", "stop"]
+
+
+def test_stop_at_the_first_token_and_at_the_last_allowed_token(llm, plain):
+    texts = prefix_texts(llm, plain[0]["token_ids"])
+    first = texts[1][:1]
+    out = llm.generate(PROMPTS[0], params([first]), use_tqdm=False)[0]
+    assert out["text"] == "" and len(out["token_ids"]) == 1 and out["finish_reason"] == "stop"
+    stop = spanning_stop(llm, plain[0])
+    n = len(llm.generate(PROMPTS[0], params([stop]), use_tqdm=False)[0]["token_ids"])
+    exact = llm.generate(PROMPTS[0], params([stop], max_tokens=n), use_tqdm=False)[0]
+    assert exact["finish_reason"] == "stop" and len(exact["token_ids"]) == n  # stop beats length
+    short = llm.generate(PROMPTS[0], params([stop], max_tokens=n - 1), use_tqdm=False)[0]
+    assert short["finish_reason"] == "length" and short["token_ids"] == plain[0]["token_ids"][:n - 1]
+
+
+def test_stream_never_emits_part_of_a_stop_string(llm, plain):
+    for i in range(len(PROMPTS)):
+        stop = spanning_stop(llm, plain[i])
+        reference = llm.generate(PROMPTS[i], params([stop]), use_tqdm=False)[0]
+        events = list(llm.stream(PROMPTS[i], params([stop])))
+        assert sum(e.finished for e in events) == 1 and events[-1].finish_reason == "stop"
+        assert [t for e in events for t in e.token_ids] == reference["token_ids"]
+        sent = list(itertools.accumulate(e.text for e in events))
+        assert sent[-1] == reference["text"]
+        assert all(reference["text"].startswith(s) for s in sent)  # nothing ever taken back
+        tokens = list(itertools.accumulate(e.token_ids for e in events))
+        decoded = [llm.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        assert len(decoded[-2]) > len(sent[-2])  # the stop string's start was held back
+        assert stop not in "".join(sent)
+
+
+def test_streams_with_several_stop_strings_and_requests(llm, plain):
+    stops = [[spanning_stop(llm, plain[0]), "never \u2603"], [], [spanning_stop(llm, plain[2])]]
+    reference = llm.generate(PROMPTS, [params(s) for s in stops], use_tqdm=False)
+    text = {i: "" for i in range(3)}
+    reasons = {}
+    for e in llm.stream(PROMPTS, [params(s) for s in stops]):
+        text[e.index] += e.text
+        assert reference[e.index]["text"].startswith(text[e.index])
+        if e.finished:
+            reasons[e.index] = e.finish_reason
+    assert [text[i] for i in range(3)] == [o["text"] for o in reference]
+    assert reasons == {0: "stop", 1: "length", 2: "stop"}
+
+
+def test_a_stopped_request_frees_its_blocks_while_others_run(llm, plain):
+    stop = spanning_stop(llm, plain[0])
+    n = len(llm.generate(PROMPTS[0], params([stop]), use_tqdm=False)[0]["token_ids"])
+    stopped = llm.add_request(PROMPTS[0], params([stop]))
+    other = llm.add_request(PROMPTS[1], params(max_tokens=MAX))
+    finished = []
+    while not stopped.is_finished:
+        finished += llm.step()
+    assert stopped in finished and not other.is_finished
+    assert stopped.block_table == [] and stopped.finish_reason == "stop"
+    assert stopped.num_completion_tokens == n
+    assert stopped not in llm.scheduler.running and not llm._stop_checkers
+    while not llm.is_finished():
+        llm.step()
+        llm.drain()
+    assert other.completion_token_ids == plain[1]["token_ids"]
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_and_synchronous_engines_agree(ckpt, plain, async_scheduling):
+    llm = LLM(ckpt, async_scheduling=async_scheduling, **ENGINE)
+    stops = [[spanning_stop(llm, o)] for o in plain]
+    out = llm.generate(PROMPTS, [params(s) for s in stops], use_tqdm=False)
+    for o, p, s in zip(out, plain, stops):
+        check_stopped(llm, p, o, s)
+    if async_scheduling:
+        assert any(r.planned_ahead for r in llm.trace)
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_stop_strings_need_a_tokenizer(ckpt, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ckpt.iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                          "special_tokens_map.json"):
+            shutil.copy(f, bare / f.name)
+    with pytest.warns(UserWarning, match="has no tokenizer"):
+        llm = LLM(bare, **ENGINE)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[5, 6]], params(["x"]), use_tqdm=False)
+    assert len(llm.generate([[5, 6]], params(), use_tqdm=False)[0]["token_ids"]) == MAX
+
+
+def test_sampling_params_stop_validation_and_pickling():
+    assert SamplingParams(stop="\n").stop == ("\n",) and SamplingParams().stop == ()
+    assert SamplingParams(stop=["a", "b", "a"]).stop == ("a", "b")
+    sp = SamplingParams(stop=["User:", "\n\n"])
+    assert pickle.loads(pickle.dumps(sp)) == sp and hash(sp) == hash(SamplingParams(stop=("User:", "\n\n")))
+    for bad in ([""], ["a", ""], ["a", 1], 7, {"a"}, b"ab"):
+        with pytest.raises(ValueError, match="stop"):
+            SamplingParams(stop=bad)
+    with pytest.raises(TypeError, match="stop"):
+        SamplingParams(stop=[None])
+
+
+def test_helpers():
+    stop = ("User:", "\n\n")
+    assert find_stop("Hi.\n\nUser:", stop) == 3 and find_stop("Hi", stop) == -1
+    assert [held_back(t, stop) for t in ("Hi U", "Hi Use", "Hi User", "Hi.\n", "Hi", "")] == \
+        [1, 3, 4, 1, 0, 0]
+    assert held_back("xaa", ("ab",)) == 1 and held_back("aab", ("aab!",)) == 3
+
+
+def test_stop_checker_reads_multibyte_text_token_by_token(llm):
+    tok = llm.tokenizer
+    phrase = tok.encode("naïve café ☃ snowman: done")
+    from nanoengine.engine.sequence import Sequence
+    for stop in (("☃ snow",), ("é ☃",), ("done",)):
+        seq = Sequence([1] + phrase[:1], block_size=16)
+        seq.num_prompt_tokens = 1
+        checker = StopChecker(tok, stop)
+        hit = None
+        for n in range(1, len(phrase) + 1):
+            seq.token_ids, seq.num_tokens = [1] + phrase[:n], 1 + n
+            if checker.update(seq):
+                hit = n
+                break
+        assert hit is not None and stop[0] in tok.decode(phrase[:hit])
+        assert stop[0] not in tok.decode(phrase[:hit - 1])
