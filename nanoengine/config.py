@@ -12,18 +12,29 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from .utils.checks import InvalidTypeError, check_bool, check_float, check_int, check_power_of_two
+from nanoengine.utils.checks import (
+    InvalidTypeError,
+    check_bool,
+    check_float,
+    check_int,
+    check_power_of_two,
+)
 
 ATTENTION_BACKENDS = ("auto", "flash", "torch")
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The engine's device: CUDA when available unless told otherwise; an unusable device is a ValueError."""
+    """The engine's device: CUDA when available unless told otherwise; unusable: ValueError."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if not isinstance(device, (str, torch.device)):
@@ -41,16 +52,24 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, hf_config: PretrainedConfig) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device, hf_config: PretrainedConfig
+) -> torch.dtype:
     """The engine's dtype: the checkpoint's own on GPU and float32 on CPU, unless told otherwise."""
     if dtype is None or dtype == "auto":
         if device.type == "cpu":
             return torch.float32
-        native = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+        native = (
+            getattr(hf_config, "dtype", None)
+            or getattr(hf_config, "torch_dtype", None)
+            or torch.float32
+        )
         return DTYPES[native] if isinstance(native, str) else native
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(set(DTYPES))} or a torch dtype, got {dtype!r}")
+            raise ValueError(
+                f"dtype must be one of {sorted(set(DTYPES))} or a torch dtype, got {dtype!r}"
+            )
         return DTYPES[dtype]
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
@@ -60,6 +79,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, hf_conf
 @dataclass(slots=True)
 class Config:
     """Every engine setting, validated at construction."""
+
     model: str | os.PathLike
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
@@ -76,19 +96,29 @@ class Config:
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        self.max_num_batched_tokens = check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        self.max_num_batched_tokens = check_int(
+            "max_num_batched_tokens", self.max_num_batched_tokens, minimum=1
+        )
         self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         self.max_model_len = check_int("max_model_len", self.max_model_len, minimum=1)
-        self.gpu_memory_utilization = check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0,
-                                                  low_open=True)
+        self.gpu_memory_utilization = check_float(
+            "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
+        )
         if self.num_kvcache_blocks is not None:
-            self.num_kvcache_blocks = check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=1)
+            self.num_kvcache_blocks = check_int(
+                "num_kvcache_blocks", self.num_kvcache_blocks, minimum=1
+            )
         self.kvcache_block_size = check_power_of_two("kvcache_block_size", self.kvcache_block_size)
-        self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        self.tensor_parallel_size = check_int(
+            "tensor_parallel_size", self.tensor_parallel_size, minimum=1
+        )
         self.enforce_eager = check_bool("enforce_eager", self.enforce_eager)
         self.enable_prefix_caching = check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         self.device = resolve_device(self.device)
         if self.hf_config is None:
             self.hf_config = load_hf_config(self.model)
@@ -103,15 +133,17 @@ def load_hf_config(model: str | os.PathLike) -> PretrainedConfig:
         raise InvalidTypeError(f"model must be a path to a checkpoint directory, got {model!r}")
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise OSError(f"model path {str(model)!r} is not a directory; pass a local checkpoint directory "
-                      "(one with config.json and *.safetensors)")
+        raise OSError(
+            f"model path {str(model)!r} is not a directory; pass a local checkpoint directory "
+            "(one with config.json and *.safetensors)"
+        )
     if not (path / "config.json").is_file():
         raise OSError(f"model directory {str(path)!r} has no config.json")
     return AutoConfig.from_pretrained(path)
 
 # %% ../notebooks/01c_config.ipynb #5d2b9e41
 def available_memory_bytes(device: torch.device) -> int | None:
-    """Bytes free for a new allocation on `device` now: free GPU memory, or the host's MemAvailable; None if unknown."""
+    """Bytes free on `device` now: free GPU memory or the host's MemAvailable; None if unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
@@ -132,8 +164,10 @@ def _gib(num_bytes: int) -> str:
 
 
 def check_fits_in_memory(what: str, num_bytes: int, device: torch.device, hint: str = "") -> None:
-    """ValueError naming `what`, the bytes it needs and the bytes `device` has free, when it cannot fit."""
+    """ValueError naming `what`, the bytes it needs and those `device` has free, if too big."""
     available = available_memory_bytes(device)
     if available is not None and num_bytes > available:
-        raise ValueError(f"{what} needs {_gib(num_bytes)} but {device} has only {_gib(available)} available"
-                         + (f"; {hint}" if hint else ""))
+        raise ValueError(
+            f"{what} needs {_gib(num_bytes)} but {device} has only {_gib(available)} available"
+            + (f"; {hint}" if hint else "")
+        )

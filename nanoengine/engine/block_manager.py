@@ -17,7 +17,7 @@ NO_HASH = -1
 
 
 def hash_block(token_ids: list[int], prefix_hash: int = NO_HASH) -> int:
-    """Chained 64-bit xxhash of one block's tokens, following the block whose hash is `prefix_hash`."""
+    """Chained 64-bit xxhash of one block's tokens, after the block whose hash is `prefix_hash`."""
     h = xxhash.xxh64()
     if prefix_hash != NO_HASH:
         h.update(prefix_hash.to_bytes(8, "little"))
@@ -28,6 +28,7 @@ def hash_block(token_ids: list[int], prefix_hash: int = NO_HASH) -> int:
 @dataclass(slots=True)
 class Block:
     """One KV block: how many sequences use it and, once full, the prefix it completes."""
+
     block_id: int
     ref_count: int = 0
     hash: int = NO_HASH
@@ -73,12 +74,12 @@ class BlockManager:
         return block_id
 
     def _release_block(self, block_id: int) -> None:
-        """Put an unused block at the back of the free list, keeping its contents for the prefix cache."""
+        """Put an unused block at the back of the free list, keeping its contents for reuse."""
         self.used_block_ids.remove(block_id)
         self.free_block_ids[block_id] = None
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks that already hold the K/V of the sequence's leading full blocks (never its last block)."""
+        """Blocks that already hold the K/V of the leading full blocks (never the last block)."""
         matched: list[int] = []
         if not self.enable_prefix_caching:
             return matched
@@ -93,11 +94,14 @@ class BlockManager:
         return matched
 
     def allocate(self, seq: Sequence) -> bool:
-        """Give a sequence without blocks its block table, reusing cached prefix blocks; False if it does not fit."""
+        """Give a sequence its block table, reusing cached prefix blocks; False if it won't fit."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
         if seq.block_size != self.block_size:
-            raise ValueError(f"sequence block_size {seq.block_size} != block manager block_size {self.block_size}")
+            raise ValueError(
+                f"sequence block_size {seq.block_size} != "
+                f"block manager block_size {self.block_size}"
+            )
         matched = self._match_prefix(seq)
         num_revived = sum(1 for block_id in matched if block_id in self.free_block_ids)
         if self.num_free_blocks < num_revived + seq.num_blocks - len(matched):
@@ -107,7 +111,9 @@ class BlockManager:
                 del self.free_block_ids[block_id]
                 self.used_block_ids.add(block_id)
             self.blocks[block_id].ref_count += 1
-        seq.block_table = matched + [self._take_block() for _ in range(seq.num_blocks - len(matched))]
+        seq.block_table = matched + [
+            self._take_block() for _ in range(seq.num_blocks - len(matched))
+        ]
         seq.num_cached_tokens = len(matched) * self.block_size
         self.num_hit_blocks += len(matched)
         return True
@@ -132,7 +138,7 @@ class BlockManager:
             seq.block_table.append(self._take_block())
 
     def hash_blocks(self, seq: Sequence) -> None:
-        """Publish the blocks that this step's computed tokens completed, so later requests can reuse them."""
+        """Publish the blocks this step's tokens completed, so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
         start = seq.num_cached_tokens // self.block_size
@@ -147,9 +153,11 @@ class BlockManager:
 
 # %% ../../notebooks/02_block_manager.ipynb #d1d61ccd
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
-    """Raise RuntimeError naming the first broken invariant of `bm`, given every sequence that holds blocks."""
+    """RuntimeError naming the first broken invariant of `bm`; `live`: every block holder."""
+
     def fail(msg: str):
         raise RuntimeError(f"block manager invariant broken: {msg}")
+
     free, used = set(bm.free_block_ids), bm.used_block_ids
     if not free.isdisjoint(used) or free | used != set(range(bm.num_blocks)):
         fail("every block must be in exactly one of free and used")
@@ -158,8 +166,13 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
         for block_id in s.block_table:
             holders[block_id] += 1
     for block in bm.blocks:
-        if block.ref_count != holders[block.block_id] or (block.ref_count > 0) != (block.block_id in used):
-            fail(f"block {block.block_id} has ref_count {block.ref_count} but {holders[block.block_id]} holders")
+        if block.ref_count != holders[block.block_id] or (block.ref_count > 0) != (
+            block.block_id in used
+        ):
+            fail(
+                f"block {block.block_id} has ref_count {block.ref_count} "
+                f"but {holders[block.block_id]} holders"
+            )
     for h, block_id in bm.hash_to_block_id.items():
         if bm.blocks[block_id].hash != h or len(bm.blocks[block_id].token_ids) != bm.block_size:
             fail(f"hash entry {h:#x} points at block {block_id}, which does not hold that prefix")
@@ -169,6 +182,9 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
             block = bm.blocks[s.block_table[i]]
             prefix = hash_block(s.block(i), prefix)
             if block.hash != NO_HASH and (block.hash != prefix or block.token_ids != s.block(i)):
-                fail(f"block {block.block_id} of sequence {s.seq_id} does not hold the tokens its hash names")
+                fail(
+                    f"block {block.block_id} of sequence {s.seq_id} "
+                    "does not hold the tokens its hash names"
+                )
     if not live and bm.num_free_blocks != bm.num_blocks:
         fail(f"{bm.num_blocks - bm.num_free_blocks} blocks still used with no sequence left")

@@ -12,6 +12,7 @@ from ..sampling_params import SamplingParams
 
 class SequenceStatus(Enum):
     """Where a sequence is in its life."""
+
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
@@ -19,12 +20,30 @@ class SequenceStatus(Enum):
 
 class Sequence:
     """One request: its tokens, the four counters, its block table and its sampling parameters."""
-    __slots__ = ("seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
-                 "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table", "block_size",
-                 "sampling_params", "finish_reason")
+
+    __slots__ = (
+        "seq_id",
+        "status",
+        "token_ids",
+        "last_token",
+        "num_tokens",
+        "num_prompt_tokens",
+        "num_cached_tokens",
+        "num_scheduled_tokens",
+        "is_prefill",
+        "block_table",
+        "block_size",
+        "sampling_params",
+        "finish_reason",
+    )
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 256):
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        block_size: int = 256,
+    ):
         if len(token_ids) == 0:
             raise ValueError("a sequence needs at least one prompt token")
         self.seq_id = next(Sequence._ids)
@@ -48,9 +67,11 @@ class Sequence:
         return self.token_ids[key]
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
-                f"prompt={self.num_prompt_tokens}, cached={self.num_cached_tokens}, "
-                f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})")
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
+            f"prompt={self.num_prompt_tokens}, cached={self.num_cached_tokens}, "
+            f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})"
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -62,11 +83,11 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_blocks(self) -> int:
@@ -87,7 +108,7 @@ class Sequence:
         """Token ids of logical block i (the last block may be partial)."""
         if not 0 <= i < self.num_blocks:
             raise IndexError(f"block {i} out of range for a sequence of {self.num_blocks} blocks")
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     def append_token(self, token_id: int) -> None:
         """Add one generated token."""
@@ -97,12 +118,28 @@ class Sequence:
 
     def __getstate__(self):
         payload = self.token_ids if self.is_prefill else self.last_token
-        return (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-                self.num_scheduled_tokens, self.block_size, self.block_table, payload)
+        return (
+            self.seq_id,
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            self.num_scheduled_tokens,
+            self.block_size,
+            self.block_table,
+            payload,
+        )
 
     def __setstate__(self, state):
-        (self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-         self.num_scheduled_tokens, self.block_size, self.block_table, payload) = state
+        (
+            self.seq_id,
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            self.num_scheduled_tokens,
+            self.block_size,
+            self.block_table,
+            payload,
+        ) = state
         self.is_prefill = isinstance(payload, list)
         self.token_ids = payload if self.is_prefill else []
         self.last_token = self.token_ids[-1] if self.is_prefill else payload

@@ -14,7 +14,7 @@ class InvalidTypeError(TypeError, ValueError):
 
 
 def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    """Return `value` as an int, or raise naming `name` when it is not an integer in [minimum, maximum]."""
+    """`value` as an int; raises naming `name` unless it is an integer in [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, Integral):
         raise InvalidTypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     value = int(value)
@@ -25,8 +25,10 @@ def check_int(name: str, value, minimum: int | None = None, maximum: int | None 
     return value
 
 
-def check_float(name: str, value, low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> float:
-    """Return `value` as a float, or raise naming `name` when it is not a finite number in the given interval."""
+def check_float(
+    name: str, value, low: float, high: float, *, low_open: bool = False, high_open: bool = False
+) -> float:
+    """`value` as a float; raises naming `name` unless it is a finite number in the interval."""
     if isinstance(value, bool) or not isinstance(value, Real):
         raise InvalidTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     value = float(value)
@@ -54,7 +56,7 @@ def check_power_of_two(name: str, value) -> int:
 
 
 def env_switch(name: str) -> bool:
-    """An on/off switch from the environment: unset, empty or '1' is on, '0' is off, anything else a ValueError."""
+    """An on/off switch from the environment: unset, empty or '1' on, '0' off, else ValueError."""
     flag = os.environ.get(name, "1") or "1"
     if flag not in ("0", "1"):
         raise ValueError(f"{name} must be '0' or '1', got {flag!r}")

@@ -15,7 +15,7 @@ from .checks import check_float, check_int, check_power_of_two
 
 # %% ../../notebooks/00_orientation.ipynb #7375c3c2
 def _config_int(hf_config: Any, name: str, default: int | None = None) -> int:
-    """Read a positive integer field of a model config, raising ValueError naming it when absent or invalid."""
+    """A positive integer field of a model config; ValueError naming it when absent or invalid."""
     value = getattr(hf_config, name, None)
     if value is None:
         if default is None:
@@ -30,16 +30,24 @@ def _head_dim(hf_config: Any) -> int:
     """head_dim from the config, or hidden_size // num_attention_heads when the config has none."""
     if getattr(hf_config, "head_dim", None) is not None:
         return _config_int(hf_config, "head_dim")
-    hidden, heads = _config_int(hf_config, "hidden_size"), _config_int(hf_config, "num_attention_heads")
+    hidden, heads = (
+        _config_int(hf_config, "hidden_size"),
+        _config_int(hf_config, "num_attention_heads"),
+    )
     if hidden % heads:
-        raise ValueError(f"hf_config.hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})")
+        raise ValueError(
+            f"hf_config.hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})"
+        )
     return hidden // heads
 
 
 def qwen3_num_params(hf_config: Any) -> int:
-    """Number of parameters of a dense Qwen3 decoder described by `hf_config` (tied embeddings counted once)."""
+    """Parameters of the dense Qwen3 decoder `hf_config` describes (tied embeddings once)."""
     hidden, vocab = _config_int(hf_config, "hidden_size"), _config_int(hf_config, "vocab_size")
-    num_layers, inter = _config_int(hf_config, "num_hidden_layers"), _config_int(hf_config, "intermediate_size")
+    num_layers, inter = (
+        _config_int(hf_config, "num_hidden_layers"),
+        _config_int(hf_config, "intermediate_size"),
+    )
     num_heads = _config_int(hf_config, "num_attention_heads")
     num_kv_heads = _config_int(hf_config, "num_key_value_heads", default=num_heads)
     head_dim = _head_dim(hf_config)
@@ -58,13 +66,16 @@ def _itemsize(dtype: torch.dtype | int) -> int:
     if isinstance(dtype, torch.dtype):
         return dtype.itemsize
     if isinstance(dtype, bool) or not isinstance(dtype, numbers.Integral):
-        raise TypeError(f"dtype must be a torch.dtype or a number of bytes per element, got {dtype!r}")
+        raise TypeError(
+            f"dtype must be a torch.dtype or a number of bytes per element, got {dtype!r}"
+        )
     return check_int("dtype", dtype, minimum=1)
 
 
-def kv_cache_bytes_per_token(hf_config: Any, dtype: torch.dtype | int = torch.bfloat16,
-                             tensor_parallel_size: int = 1) -> int:
-    """Bytes of keys and values one token occupies, over all layers, in one tensor-parallel rank's cache."""
+def kv_cache_bytes_per_token(
+    hf_config: Any, dtype: torch.dtype | int = torch.bfloat16, tensor_parallel_size: int = 1
+) -> int:
+    """Bytes of keys and values of one token, all layers, in one tensor-parallel rank's cache."""
     tp = check_int("tensor_parallel_size", tensor_parallel_size, minimum=1)
     itemsize = _itemsize(dtype)
     num_layers = _config_int(hf_config, "num_hidden_layers")
@@ -72,7 +83,10 @@ def kv_cache_bytes_per_token(hf_config: Any, dtype: torch.dtype | int = torch.bf
     num_kv_heads = _config_int(hf_config, "num_key_value_heads", default=num_heads)
     head_dim = _head_dim(hf_config)
     if num_kv_heads % tp:
-        raise ValueError(f"tensor_parallel_size ({tp}) must divide hf_config.num_key_value_heads ({num_kv_heads})")
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) must divide "
+            f"hf_config.num_key_value_heads ({num_kv_heads})"
+        )
     return 2 * num_layers * (num_kv_heads // tp) * head_dim * itemsize
 
 # %% ../../notebooks/00_orientation.ipynb #8a125954
@@ -87,6 +101,7 @@ def num_kv_blocks_that_fit(free_bytes: int, bytes_per_token: int, block_size: in
 @dataclass(slots=True, frozen=True)
 class KVPoolPlan:
     """How a GPU's memory splits into weights, activations, KV pool and headroom."""
+
     gpu_bytes: int
     weight_bytes: int
     activation_bytes: int
@@ -105,9 +120,16 @@ class KVPoolPlan:
         return self.num_blocks // math.ceil(seq_len / self.block_size)
 
 
-def plan_kv_pool(gpu_bytes: int, weight_bytes: int, activation_bytes: int, utilization: float,
-                 bytes_per_token: int, block_size: int = 256, max_model_len: int = 4096) -> KVPoolPlan:
-    """Size the KV pool: what `utilization` of the GPU leaves after weights and activations, in whole blocks."""
+def plan_kv_pool(
+    gpu_bytes: int,
+    weight_bytes: int,
+    activation_bytes: int,
+    utilization: float,
+    bytes_per_token: int,
+    block_size: int = 256,
+    max_model_len: int = 4096,
+) -> KVPoolPlan:
+    """Size the KV pool: what `utilization` of the GPU leaves after weights and activations."""
     gpu_bytes = check_int("gpu_bytes", gpu_bytes, minimum=1)
     weight_bytes = check_int("weight_bytes", weight_bytes, minimum=0)
     activation_bytes = check_int("activation_bytes", activation_bytes, minimum=0)
@@ -116,16 +138,25 @@ def plan_kv_pool(gpu_bytes: int, weight_bytes: int, activation_bytes: int, utili
     block_size = check_power_of_two("block_size", block_size)
     max_model_len = check_int("max_model_len", max_model_len, minimum=1)
     if weight_bytes + activation_bytes > gpu_bytes:
-        raise ValueError(f"weight_bytes + activation_bytes ({weight_bytes + activation_bytes:,}) "
-                         f"exceed gpu_bytes ({gpu_bytes:,}): the model does not fit")
+        raise ValueError(
+            f"weight_bytes + activation_bytes ({weight_bytes + activation_bytes:,}) "
+            f"exceed gpu_bytes ({gpu_bytes:,}): the model does not fit"
+        )
 
     free_bytes = max(0, math.floor(gpu_bytes * utilization) - weight_bytes - activation_bytes)
     num_blocks = num_kv_blocks_that_fit(free_bytes, bytes_per_token, block_size)
     num_tokens = num_blocks * block_size
     kv_bytes = num_tokens * bytes_per_token
     return KVPoolPlan(
-        gpu_bytes=gpu_bytes, weight_bytes=weight_bytes, activation_bytes=activation_bytes, kv_bytes=kv_bytes,
-        headroom_bytes=gpu_bytes - weight_bytes - activation_bytes - kv_bytes, num_blocks=num_blocks,
-        num_tokens=num_tokens, num_max_len_seqs=num_blocks // math.ceil(max_model_len / block_size),
-        block_size=block_size, bytes_per_token=bytes_per_token, max_model_len=max_model_len,
+        gpu_bytes=gpu_bytes,
+        weight_bytes=weight_bytes,
+        activation_bytes=activation_bytes,
+        kv_bytes=kv_bytes,
+        headroom_bytes=gpu_bytes - weight_bytes - activation_bytes - kv_bytes,
+        num_blocks=num_blocks,
+        num_tokens=num_tokens,
+        num_max_len_seqs=num_blocks // math.ceil(max_model_len / block_size),
+        block_size=block_size,
+        bytes_per_token=bytes_per_token,
+        max_model_len=max_model_len,
     )
