@@ -15,40 +15,51 @@ from ..utils.dist import all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table split by vocabulary rows; each rank looks up its own ids and an all-reduce sums the rows."""
+    """Embedding split by vocabulary rows; each rank looks up its ids, an all-reduce sums rows."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.num_embeddings = check_int("num_embeddings", num_embeddings, minimum=1)
         self.embedding_dim = check_int("embedding_dim", embedding_dim, minimum=1)
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         if num_embeddings % self.tp_size:
-            raise ValueError(f"num_embeddings={num_embeddings} is not divisible by the tensor-parallel size "
-                             f"{self.tp_size}")
+            raise ValueError(
+                f"num_embeddings={num_embeddings} is not divisible by the tensor-parallel size "
+                f"{self.tp_size}"
+            )
         self.num_embeddings_per_partition = num_embeddings // self.tp_size
         self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
         self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
-        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
+    ) -> None:
         """Keep this rank's vocabulary rows of the full [V, D] table."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} takes no shard_id, got {shard_id!r}")
         if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"{type(self).__name__}: expected a [{self.num_embeddings}, {self.embedding_dim}] "
-                             f"table, got {tuple(loaded_weight.shape)}")
-        param.data.copy_(loaded_weight[self.vocab_start_idx:self.vocab_end_idx])
+            raise ValueError(
+                f"{type(self).__name__}: expected a [{self.num_embeddings}, {self.embedding_dim}] "
+                f"table, got {tuple(loaded_weight.shape)}"
+            )
+        param.data.copy_(loaded_weight[self.vocab_start_idx : self.vocab_end_idx])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(x, self.weight)  # [N] -> [N, D]
         mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
-        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)  # [N, D]; foreign ids read row 0
-        return all_reduce(y * mask.unsqueeze(1))                         # zero the foreign rows, then sum
+        # [N, D]; foreign ids read row 0
+        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)
+        return all_reduce(y * mask.unsqueeze(1))  # zero the foreign rows, then sum
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """LM head split by vocabulary; in prefill only each sequence's last token; logits gathered on rank 0."""
+    """LM head split by vocabulary; in prefill each sequence's last token; logits on rank 0."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
         if bias:
             raise ValueError("ParallelLMHead does not support bias=True")
@@ -61,9 +72,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             if context.cu_seqlens_q is None:
                 raise ValueError("a prefill Context needs cu_seqlens_q")
             x = x[context.cu_seqlens_q[1:].long() - 1].contiguous()  # [N, D] -> [num_seqs, D]
-        logits = F.linear(x, self.weight)                             # [rows, V/P]
+        logits = F.linear(x, self.weight)  # [rows, V/P]
         if self.tp_size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        parts = (
+            [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        )
         dist.gather(logits, parts, dst=0)
         return torch.cat(parts, dim=-1) if self.tp_rank == 0 else None  # [rows, V] on rank 0

@@ -22,9 +22,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @maybe_compile
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add the residual in float32, then RMSNorm; returns (normalised, new residual) in x's dtype."""
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the residual in float32, then RMSNorm; (normalised, new residual) in x's dtype."""
     xf = x.float() + residual.float()
     new_residual = xf.to(x.dtype)
     xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
@@ -33,14 +34,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 class RMSNorm(nn.Module):
     """RMSNorm; called with a residual, it first adds it (fused) and also returns the sum."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.hidden_size = check_int("hidden_size", hidden_size, minimum=1)
         self.eps = check_float("eps", eps, 0.0, math.inf, low_open=True, high_open=True)
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return rms_norm(x, self.weight, self.eps)  # [..., H] -> [..., H]
         return add_rms_norm(x, residual, self.weight, self.eps)

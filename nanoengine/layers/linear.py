@@ -14,22 +14,29 @@ from ..utils.dist import all_reduce, tp_rank, tp_size
 
 
 def divide(numerator: int, denominator: int, name: str) -> int:
-    """`numerator // denominator`, raising ValueError naming `name` when it does not divide evenly."""
+    """`numerator // denominator`; ValueError naming `name` when it does not divide evenly."""
     if check_int(name, numerator, minimum=1) % denominator:
-        raise ValueError(f"{name}={numerator} is not divisible by the tensor-parallel size {denominator}")
+        raise ValueError(
+            f"{name}={numerator} is not divisible by the tensor-parallel size {denominator}"
+        )
     return numerator // denominator
 
 
 def copy_shard(param: torch.Tensor, shard: torch.Tensor, what: str) -> None:
     """Copy `shard` into `param` after checking that the shapes agree."""
     if param.shape != shard.shape:
-        raise ValueError(f"{what}: expected a tensor of shape {tuple(param.shape)}, got {tuple(shard.shape)}")
+        raise ValueError(
+            f"{what}: expected a tensor of shape {tuple(param.shape)}, got {tuple(shard.shape)}"
+        )
     param.copy_(shard)
 
 
 class LinearBase(nn.Module):
     """A linear layer whose parameters load their own shard from a full checkpoint tensor."""
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None
+    ):
         super().__init__()
         self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank(), tp_size()
         self.input_size, self.output_size = input_size, output_size  # this rank's sizes
@@ -41,7 +48,9 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
+    ) -> None:
         """Copy this rank's part of `loaded_weight` into `param`."""
         raise NotImplementedError
 
@@ -55,11 +64,17 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(check_int("input_size", input_size, minimum=1),
-                         check_int("output_size", output_size, minimum=1), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(
+            check_int("input_size", input_size, minimum=1),
+            check_int("output_size", output_size, minimum=1),
+            bias,
+        )
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
+    ) -> None:
         """Copy the whole tensor."""
         self._no_shard_id(shard_id)
         copy_shard(param.data, loaded_weight, "ReplicatedLinear")
@@ -67,22 +82,34 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks: rank r computes outputs [r*out/P, (r+1)*out/P)."""
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(check_int("input_size", input_size, minimum=1),
-                         divide(output_size, tp_size(), "output_size"), bias, tp_dim=0)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(
+            check_int("input_size", input_size, minimum=1),
+            divide(output_size, tp_size(), "output_size"),
+            bias,
+            tp_dim=0,
+        )
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
+    ) -> None:
         """Keep this rank's rows (dim 0) of the full weight or bias."""
         self._no_shard_id(shard_id)
         size = param.data.size(0)
         if loaded_weight.size(0) != size * self.tp_size:
-            raise ValueError(f"ColumnParallelLinear: expected {size * self.tp_size} output rows, "
-                             f"got {loaded_weight.size(0)}")
-        copy_shard(param.data, loaded_weight.narrow(0, self.tp_rank * size, size), "ColumnParallelLinear")
+            raise ValueError(
+                f"ColumnParallelLinear: expected {size * self.tp_size} output rows, "
+                f"got {loaded_weight.size(0)}"
+            )
+        copy_shard(
+            param.data, loaded_weight.narrow(0, self.tp_rank * size, size), "ColumnParallelLinear"
+        )
 
 # %% ../../notebooks/04_layers.ipynb #59878307
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs stacked in one matmul (gate_up_proj); shard_id i loads output i."""
+    """Column-parallel outputs stacked in one matmul (gate_up_proj); shard_id i loads output i."""
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         if not output_sizes:
             raise ValueError("output_sizes must not be empty")
@@ -91,23 +118,43 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None
+    ) -> None:
         """Put this rank's slice of output `shard_id` at its place in the local parameter."""
-        if isinstance(shard_id, bool) or not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
-            raise ValueError(f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}")
+        if (
+            isinstance(shard_id, bool)
+            or not isinstance(shard_id, int)
+            or not 0 <= shard_id < len(self.output_sizes)
+        ):
+            raise ValueError(
+                f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}"
+            )
         full = self.output_sizes[shard_id]
         if loaded_weight.size(0) != full:
-            raise ValueError(f"MergedColumnParallelLinear shard {shard_id}: expected {full} rows, "
-                             f"got {loaded_weight.size(0)}")
+            raise ValueError(
+                f"MergedColumnParallelLinear shard {shard_id}: expected {full} rows, "
+                f"got {loaded_weight.size(0)}"
+            )
         offset, size = sum(self.output_sizes[:shard_id]) // self.tp_size, full // self.tp_size
-        copy_shard(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size),
-                   f"MergedColumnParallelLinear shard {shard_id}")
+        copy_shard(
+            param.data.narrow(0, offset, size),
+            loaded_weight.narrow(0, self.tp_rank * size, size),
+            f"MergedColumnParallelLinear shard {shard_id}",
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by heads; shard_id 'q', 'k' or 'v'."""
-    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
-                 total_num_kv_heads: int | None = None, bias: bool = False):
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+    ):
         total_num_kv_heads = total_num_heads if total_num_kv_heads is None else total_num_kv_heads
         self.head_size = check_int("head_size", head_size, minimum=1)
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
@@ -115,7 +162,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = divide(total_num_kv_heads, tp_size(), "total_num_kv_heads")
         super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None
+    ) -> None:
         """Put this rank's heads of q, k or v at their place in the local parameter."""
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         regions = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
@@ -123,19 +172,31 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         offset, size = regions[shard_id]
         if loaded_weight.size(0) != size * self.tp_size:
-            raise ValueError(f"QKVParallelLinear shard {shard_id!r}: expected {size * self.tp_size} rows, "
-                             f"got {loaded_weight.size(0)}")
-        copy_shard(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size),
-                   f"QKVParallelLinear shard {shard_id!r}")
+            raise ValueError(
+                f"QKVParallelLinear shard {shard_id!r}: expected {size * self.tp_size} rows, "
+                f"got {loaded_weight.size(0)}"
+            )
+        copy_shard(
+            param.data.narrow(0, offset, size),
+            loaded_weight.narrow(0, self.tp_rank * size, size),
+            f"QKVParallelLinear shard {shard_id!r}",
+        )
 
 # %% ../../notebooks/04_layers.ipynb #cdefd77a
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs summed by an all-reduce, bias added on rank 0 only."""
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(divide(input_size, tp_size(), "input_size"),
-                         check_int("output_size", output_size, minimum=1), bias, tp_dim=1)
+    """Input features split over ranks; partial outputs summed by an all-reduce, bias on rank 0."""
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(
+            divide(input_size, tp_size(), "input_size"),
+            check_int("output_size", output_size, minimum=1),
+            bias,
+            tp_dim=1,
+        )
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
+    ) -> None:
         """Keep this rank's input columns (dim 1) of the weight; the bias is copied whole."""
         self._no_shard_id(shard_id)
         if param.data.ndim == 1:
@@ -143,10 +204,15 @@ class RowParallelLinear(LinearBase):
             return
         size = param.data.size(1)
         if loaded_weight.ndim != 2 or loaded_weight.size(1) != size * self.tp_size:
-            raise ValueError(f"RowParallelLinear: expected {size * self.tp_size} input columns, "
-                             f"got shape {tuple(loaded_weight.shape)}")
-        copy_shard(param.data, loaded_weight.narrow(1, self.tp_rank * size, size), "RowParallelLinear")
+            raise ValueError(
+                f"RowParallelLinear: expected {size * self.tp_size} input columns, "
+                f"got shape {tuple(loaded_weight.shape)}"
+            )
+        copy_shard(
+            param.data, loaded_weight.narrow(1, self.tp_rank * size, size), "RowParallelLinear"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)  # [N, in/P] -> partial [N, out]
+        # [N, in/P] -> partial [N, out]
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y) if self.tp_size > 1 else y  # the size it was built for

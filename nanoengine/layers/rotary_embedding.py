@@ -22,51 +22,74 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 class RotaryEmbedding(nn.Module):
     """RoPE with a precomputed [max_position, 1, head_size] cos|sin table."""
+
     def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int, base: float):
         super().__init__()
         self.head_size = check_int("head_size", head_size, minimum=2)
         if head_size % 2:
             raise ValueError(f"head_size must be even, got {head_size}")
         if rotary_dim != head_size:
-            raise ValueError(f"rotary_dim={rotary_dim} must equal head_size={head_size} (no partial rotary)")
-        self.max_position_embeddings = check_int("max_position_embeddings", max_position_embeddings, minimum=1)
+            raise ValueError(
+                f"rotary_dim={rotary_dim} must equal head_size={head_size} (no partial rotary)"
+            )
+        self.max_position_embeddings = check_int(
+            "max_position_embeddings", max_position_embeddings, minimum=1
+        )
         self.base = check_float("base", base, 0.0, float("inf"), low_open=True, high_open=True)
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size))  # [d/2]
-        angles = torch.outer(torch.arange(max_position_embeddings, dtype=torch.float), inv_freq)      # [max_pos, d/2]
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).unsqueeze(1)                        # [max_pos, 1, d]
+        exponents = torch.arange(0, head_size, 2, dtype=torch.float) / head_size  # [d/2]
+        inv_freq = 1.0 / (self.base**exponents)  # [d/2]
+        positions = torch.arange(max_position_embeddings, dtype=torch.float)  # [max_pos]
+        angles = torch.outer(positions, inv_freq)  # [max_pos, d/2]
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).unsqueeze(1)  # [max_pos, 1, d]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         d, n = self.head_size, positions.shape[0]
         if query.shape[-1] % d or key.shape[-1] % d:
-            raise ValueError(f"the last dimensions of query {tuple(query.shape)} and key {tuple(key.shape)} "
-                             f"must be multiples of head_size={d}")
+            raise ValueError(
+                f"the last dimensions of query {tuple(query.shape)} and key {tuple(key.shape)} "
+                f"must be multiples of head_size={d}"
+            )
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [N, 1, d/2] each
-        q = apply_rotary_emb(query.reshape(n, -1, d), cos, sin)   # [N, Hq, d]
-        k = apply_rotary_emb(key.reshape(n, -1, d), cos, sin)     # [N, Hk, d]
+        q = apply_rotary_emb(query.reshape(n, -1, d), cos, sin)  # [N, Hq, d]
+        k = apply_rotary_emb(key.reshape(n, -1, d), cos, sin)  # [N, Hk, d]
         return q.reshape(query.shape), k.reshape(key.shape)
 
     def extra_repr(self) -> str:
-        return f"head_size={self.head_size}, max_position={self.max_position_embeddings}, base={self.base:g}"
+        return (
+            f"head_size={self.head_size}, max_position={self.max_position_embeddings}, "
+            f"base={self.base:g}"
+        )
 
 
 @lru_cache(maxsize=8)
-def _cached_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
-                 device: torch.device) -> RotaryEmbedding:
+def _cached_rope(
+    head_size: int, rotary_dim: int, max_position: int, base: float, device: torch.device
+) -> RotaryEmbedding:
     with torch.device(device):
         return RotaryEmbedding(head_size, rotary_dim, max_position, base)
 
 
-def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
-             rope_scaling: dict | None = None) -> RotaryEmbedding:
-    """The RotaryEmbedding shared by every layer for these sizes on the current default device; rope_scaling must be
-    None or of rope_type 'default'."""
+def get_rope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict | None = None,
+) -> RotaryEmbedding:
+    """The RotaryEmbedding shared by every layer of these sizes on the default device.
+
+    rope_scaling must be None or of rope_type 'default'.
+    """
     if rope_scaling is not None:
         if not isinstance(rope_scaling, dict):
             raise ValueError(f"rope_scaling must be None or a dict, got {rope_scaling!r}")
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"rope_scaling with rope_type={rope_type!r} is not supported (only plain RoPE)")
+            raise ValueError(
+                f"rope_scaling with rope_type={rope_type!r} is not supported (only plain RoPE)"
+            )
         base = rope_scaling.get("rope_theta", base)
     return _cached_rope(head_size, rotary_dim, max_position, float(base), torch.empty(0).device)

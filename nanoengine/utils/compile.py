@@ -13,7 +13,7 @@ from .checks import env_switch
 
 
 def compile_enabled() -> bool:
-    """Whether `maybe_compile` may compile: env NANOENGINE_COMPILE unset or '1' means yes, '0' means no."""
+    """Whether `maybe_compile` may compile: NANOENGINE_COMPILE unset or '1' yes, '0' no."""
     return env_switch("NANOENGINE_COMPILE")
 
 
@@ -23,7 +23,8 @@ def _has_cuda_tensor(args: tuple, kwargs: dict) -> bool:
 
 
 def maybe_compile(fn: Callable) -> Callable:
-    """`torch.compile(fn)` (dim 0 dynamic) when an input is on CUDA and compiling is enabled; else `fn` eagerly."""
+    """`torch.compile(fn)` (dim 0 dynamic) for CUDA inputs when compiling is enabled; else `fn`."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if _has_cuda_tensor(args, kwargs) and compile_enabled():
@@ -31,7 +32,8 @@ def maybe_compile(fn: Callable) -> Callable:
                 wrapper.compiled = torch.compile(fn)
             for a in (*args, *kwargs.values()):
                 if isinstance(a, torch.Tensor) and a.dim():
-                    torch._dynamo.maybe_mark_dynamic(a, 0)  # tokens/rows vary every step; other dims stay static
+                    # tokens/rows vary every step; other dims stay static
+                    torch._dynamo.maybe_mark_dynamic(a, 0)
             return wrapper.compiled(*args, **kwargs)
         return fn(*args, **kwargs)
 

@@ -29,7 +29,7 @@ _TP_WORLD: ContextVar[tuple[int, int] | None] = ContextVar("nanoengine_tp_world"
 
 @contextmanager
 def tp_world(rank: int, size: int) -> Iterator[None]:
-    """Within the block, tp_rank() and tp_size() answer `rank` and `size`, whatever process group exists."""
+    """Within the block, tp_rank() and tp_size() answer `rank` and `size`, whatever group exists."""
     if not 0 <= rank < size:
         raise ValueError(f"tp_world needs 0 <= rank < size, got rank={rank}, size={size}")
     token = _TP_WORLD.set((rank, size))
@@ -40,14 +40,14 @@ def tp_world(rank: int, size: int) -> Iterator[None]:
 
 
 def tp_rank() -> int:
-    """This process's tensor-parallel rank: tp_world's if inside one, else the default group's, else 0."""
+    """This process's tensor-parallel rank: tp_world's if inside one, else the group's, else 0."""
     if (world := _TP_WORLD.get()) is not None:
         return world[0]
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def tp_size() -> int:
-    """The number of tensor-parallel ranks: tp_world's if inside one, else the default group's, else 1."""
+    """The number of tensor-parallel ranks: tp_world's if inside one, else the group's, else 1."""
     if (world := _TP_WORLD.get()) is not None:
         return world[1]
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -67,15 +67,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tp_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float) -> None:
-    """One spawned rank: join the gloo group, run `fn(*args)`, report the pickled result or the traceback."""
+def _tp_worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout: float
+) -> None:
+    """One spawned rank: join the gloo group, run `fn(*args)`, report its result or traceback."""
     try:
         loopback = {"linux": "lo", "darwin": "lo0"}.get(sys.platform)
         if loopback:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
         results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -85,15 +92,21 @@ def _tp_worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
 
 
 def run_tp_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0) -> list[Any]:
-    """Run `fn(*args)` on `world_size` spawned CPU processes joined by gloo; return the results in rank order."""
+    """Run `fn(*args)` on `world_size` CPU processes joined by gloo; the results in rank order."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(rank, world_size, port, fn, args, results, timeout), daemon=True)
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_tp_worker,
+            args=(rank, world_size, port, fn, args, results, timeout),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
     for p in procs:
         p.start()
     done, errors, finished = {}, {}, False
@@ -106,13 +119,18 @@ def run_tp_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 6
             except queue.Empty:
                 for rank, p in enumerate(procs):
                     if p.exitcode not in (None, 0) and rank not in done:
-                        errors[rank] = f"the process exited with code {p.exitcode} without reporting\n"
+                        errors[rank] = (
+                            f"the process exited with code {p.exitcode} without reporting\n"
+                        )
                 if time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in done]
-                    raise TimeoutError(f"tensor-parallel ranks {missing} did not finish within {timeout} s")
+                    raise TimeoutError(
+                        f"tensor-parallel ranks {missing} did not finish within {timeout} s"
+                    )
         finished = not errors
     finally:
-        for p in procs:  # after a success the workers are exiting; after a failure one may wait in a collective
+        # after a success the workers are exiting; after a failure one may wait in a collective
+        for p in procs:
             p.join(timeout=5 if finished else 0.5)
             if p.is_alive():
                 p.terminate()
@@ -123,16 +141,20 @@ def run_tp_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 6
     return [pickle.loads(done[r]) for r in range(world_size)]
 
 
-def shard_and_run(layers: list[Callable[[], nn.Module]], weights: dict[str, Any], x: torch.Tensor,
-                  context: dict | None = None) -> list[torch.Tensor | None]:
-    """Build nn.Sequential(*layers) on this rank, load full weights via weight_loader, return every layer's output."""
+def shard_and_run(
+    layers: list[Callable[[], nn.Module]],
+    weights: dict[str, Any],
+    x: torch.Tensor,
+    context: dict | None = None,
+) -> list[torch.Tensor | None]:
+    """nn.Sequential(*layers) on this rank, full weights via weight_loader; every layer's output."""
     model = nn.Sequential(*(make() for make in layers))
     missing = {name for name, _ in model.named_parameters()} - set(weights)
     if missing:
         raise ValueError(f"weights has no tensor for the parameters {sorted(missing)}")
-    for name, value in weights.items():  # value: a full tensor, or a list of (full tensor, shard_id)
+    for name, value in weights.items():  # value: a full tensor, or a list of (tensor, shard_id)
         param = model.get_parameter(name)
-        for tensor, shard_id in (value if isinstance(value, list) else [(value, None)]):
+        for tensor, shard_id in value if isinstance(value, list) else [(value, None)]:
             param.weight_loader(param, tensor, shard_id)
     set_context(**(context or {}))
     outputs = []
