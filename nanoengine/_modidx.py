@@ -412,6 +412,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'nanoengine/engine/workers.py'),
                                            'nanoengine.engine.workers._gloo_on_loopback': ( 'worker_group.html#_gloo_on_loopback',
                                                                                             'nanoengine/engine/workers.py'),
+                                           'nanoengine.engine.workers._package_relative': ( 'worker_group.html#_package_relative',
+                                                                                            'nanoengine/engine/workers.py'),
                                            'nanoengine.engine.workers._release': ( 'worker_group.html#_release',
                                                                                    'nanoengine/engine/workers.py'),
                                            'nanoengine.engine.workers._signal_name': ( 'worker_group.html#_signal_name',

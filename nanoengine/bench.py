@@ -25,20 +25,36 @@ from .sampling_params import SamplingParams
 BENCH_PROMPT_TOKENS, BENCH_OUTPUT_TOKENS = 142_827, 133_966
 
 
-def bench_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, seed: int = 0,
-                   temperature: float = 0.6) -> tuple[list[list[int]], list[SamplingParams]]:
-    """nano-vllm's benchmark: random prompts (length, then ids, per request), then every request's max_tokens."""
+def bench_workload(
+    num_seqs: int = 256,
+    max_input_len: int = 1024,
+    max_output_len: int = 1024,
+    seed: int = 0,
+    temperature: float = 0.6,
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's benchmark: random prompts (length, then ids, per request), then max_tokens."""
     rng = random.Random(seed)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=rng.randint(100, max_output_len))
-              for _ in range(num_seqs)]
+    prompts = [
+        [rng.randint(0, 10000) for _ in range(rng.randint(100, max_input_len))]
+        for _ in range(num_seqs)
+    ]
+    params = [
+        SamplingParams(
+            temperature=temperature, ignore_eos=True, max_tokens=rng.randint(100, max_output_len)
+        )
+        for _ in range(num_seqs)
+    ]
     return prompts, params
 
 # %% ../notebooks/13_benchmarks.ipynb #4fcb0333
 def provenance() -> dict:
     """Where and with what a measurement was made."""
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor()}
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor(),
+    }
     for name in ("triton", "transformers", "flash_attn"):
         try:
             info[name] = __import__(name).__version__
@@ -48,8 +64,13 @@ def provenance() -> dict:
     commit = os.environ.get("NANOENGINE_COMMIT")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent, timeout=10).stdout.strip()
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=10,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             commit = ""
     info["commit"] = commit or "unknown"
@@ -62,8 +83,9 @@ def _sync() -> None:
 
 
 def ensure_checkpoint(preset: str, directory: str | os.PathLike | None = None) -> Path:
-    """A random-weight checkpoint of the preset's architecture (tiny: vocabulary widened to the workload's ids)."""
+    """A random-weight checkpoint of the preset's architecture (tiny: vocabulary fits the ids)."""
     from nanoengine.utils.checkpoint import write_random_checkpoint
+
     path = Path(directory or Path(tempfile.gettempdir()) / f"nanoengine-bench-{preset}")
     if not (path / "config.json").exists():
         widen = {"vocab_size": 10_240, "tie_word_embeddings": False} if preset == "tiny" else {}
@@ -71,7 +93,9 @@ def ensure_checkpoint(preset: str, directory: str | os.PathLike | None = None) -
     return path
 
 
-def measure_throughput(llm, num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> dict:
+def measure_throughput(
+    llm, num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024
+) -> dict:
     """Output tokens per second on the benchmark workload, after one warm-up request."""
     prompts, params = bench_workload(num_seqs, max_input_len, max_output_len)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
@@ -83,16 +107,25 @@ def measure_throughput(llm, num_seqs: int = 256, max_input_len: int = 1024, max_
     seconds = perf_counter() - start
     num_output = sum(len(o["token_ids"]) for o in outputs)
     if num_output != sum(p.max_tokens for p in params):
-        raise RuntimeError(f"generated {num_output} tokens, expected {sum(p.max_tokens for p in params)}")
+        raise RuntimeError(
+            f"generated {num_output} tokens, expected {sum(p.max_tokens for p in params)}"
+        )
     steps = [r for r in llm.trace if r.step > first_step]
     prefill, decode = [r for r in steps if r.is_prefill], [r for r in steps if not r.is_prefill]
-    return {"requests": num_seqs, "prompt_tokens": sum(map(len, prompts)), "output_tokens": num_output,
-            "seconds": seconds, "output_tok_per_s": num_output / seconds,
-            "prefill_steps": len(prefill), "prefill_seconds": sum(r.seconds for r in prefill),
-            "decode_steps": len(decode), "decode_seconds": sum(r.seconds for r in decode),
-            "mean_decode_batch": sum(r.num_seqs for r in decode) / max(1, len(decode)),
-            "decode_steps_planned_ahead": sum(r.planned_ahead for r in decode),
-            "preemptions": sum(r.num_preempted for r in steps)}
+    return {
+        "requests": num_seqs,
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": num_output,
+        "seconds": seconds,
+        "output_tok_per_s": num_output / seconds,
+        "prefill_steps": len(prefill),
+        "prefill_seconds": sum(r.seconds for r in prefill),
+        "decode_steps": len(decode),
+        "decode_seconds": sum(r.seconds for r in decode),
+        "mean_decode_batch": sum(r.num_seqs for r in decode) / max(1, len(decode)),
+        "decode_steps_planned_ahead": sum(r.planned_ahead for r in decode),
+        "preemptions": sum(r.num_preempted for r in steps),
+    }
 
 
 def measure_latency(llm, prompt_len: int = 100, extra_tokens: int = 512, repeats: int = 3) -> dict:
@@ -103,19 +136,25 @@ def measure_latency(llm, prompt_len: int = 100, extra_tokens: int = 512, repeats
     def timed(max_tokens: int) -> float:
         _sync()
         start = perf_counter()
-        llm.generate([prompt], SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens),
-                     use_tqdm=False)
+        llm.generate(
+            [prompt],
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_tokens),
+            use_tqdm=False,
+        )
         _sync()
         return perf_counter() - start
 
     base = min(timed(1) for _ in range(repeats))
     full = min(timed(1 + extra_tokens) for _ in range(repeats))
-    return {"prompt_tokens": prompt_len, "extra_tokens": extra_tokens,
-            "ms_per_token": 1000 * (full - base) / extra_tokens}
+    return {
+        "prompt_tokens": prompt_len,
+        "extra_tokens": extra_tokens,
+        "ms_per_token": 1000 * (full - base) / extra_tokens,
+    }
 
 
 def measure_decode_sweep(llm, batch_sizes: list[int], context: int = 512, steps: int = 20) -> dict:
-    """Decode step time (ms) at each batch size with `context` tokens per sequence, eager and with graphs."""
+    """Decode step time (ms) per batch size at `context` tokens per sequence, eager and graphed."""
     runner = llm.model_runner
     graphs = getattr(runner, "graphs", None)
     result = {"batch_sizes": [], "context": context, "eager_ms": [], "graph_ms": []}
@@ -126,9 +165,13 @@ def measure_decode_sweep(llm, batch_sizes: list[int], context: int = 512, steps:
                 row.append(None)
                 continue
             runner.graphs = graphs if use_graphs else None
-            seqs = [llm.add_request([1 + (i * 7 + j) % 1000 for j in range(context)],
-                                    SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 8))
-                    for i in range(n)]
+            seqs = [
+                llm.add_request(
+                    [1 + (i * 7 + j) % 1000 for j in range(context)],
+                    SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 8),
+                )
+                for i in range(n)
+            ]
             while any(s.num_completion_tokens == 0 for s in seqs):
                 llm.step()
             for _ in range(3):
@@ -149,16 +192,24 @@ def measure_decode_sweep(llm, batch_sizes: list[int], context: int = 512, steps:
 
 
 def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int = 20) -> dict:
-    """Where a decode step's time goes: wall time vs GPU kernel time per step, from torch.profiler."""
+    """Where a decode step's time goes: wall time vs GPU kernel time per step (torch.profiler)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    seqs = [llm.add_request([1 + (i * 7 + j) % 1000 for j in range(context)],
-                            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 8)) for i in range(batch)]
+
+    seqs = [
+        llm.add_request(
+            [1 + (i * 7 + j) % 1000 for j in range(context)],
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 8),
+        )
+        for i in range(batch)
+    ]
     while any(s.num_completion_tokens == 0 for s in seqs):
         llm.step()
     for _ in range(3):
         llm.step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
     _sync()
     with profile(activities=activities) as prof:
         start = perf_counter()
@@ -168,12 +219,18 @@ def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int =
         wall = perf_counter() - start
     for s in seqs:
         llm.abort(s)
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # not the CPU ops that launch them
+    kernels = [
+        e for e in prof.key_averages() if e.device_type == DeviceType.CUDA
+    ]  # not the CPU ops that launch them
     gpu_us = sum(e.self_device_time_total for e in kernels)
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:20]
-    return {"batch": batch, "context": context, "wall_ms_per_step": 1000 * wall / steps,
-            "gpu_kernel_ms_per_step": gpu_us / 1000 / steps,
-            "top_gpu_ops": [(e.key, e.self_device_time_total / 1000 / steps) for e in top]}
+    return {
+        "batch": batch,
+        "context": context,
+        "wall_ms_per_step": 1000 * wall / steps,
+        "gpu_kernel_ms_per_step": gpu_us / 1000 / steps,
+        "top_gpu_ops": [(e.key, e.self_device_time_total / 1000 / steps) for e in top],
+    }
 
 
 ABLATIONS = {
@@ -187,62 +244,120 @@ ABLATIONS = {
 }
 
 
-def run_ablations(model: Path, out_dir: Path, names: list[str] | None = None, timeout: float = 900,
-                  **engine_kwargs) -> dict:
-    """Throughput of each ablation, each in a fresh process; each result is printed, and kept in out_dir, as it lands."""
+def run_ablations(
+    model: Path,
+    out_dir: Path,
+    names: list[str] | None = None,
+    timeout: float = 900,
+    **engine_kwargs,
+) -> dict:
+    """Throughput of each ablation in a fresh process; results are printed and kept in out_dir."""
     results = {}
     for name in names or list(ABLATIONS):
         settings = dict(ABLATIONS[name])
         env = {**os.environ, **settings.pop("env", {})}
         part = out_dir / f"ablation-{len(results)}.json"
-        cmd = [sys.executable, "-m", "nanoengine.bench", "--model", str(model), "--throughput", "--out", str(part),
-               "--engine-json", json.dumps({**engine_kwargs, **settings})]
+        cmd = [
+            sys.executable,
+            "-m",
+            "nanoengine.bench",
+            "--model",
+            str(model),
+            "--throughput",
+            "--out",
+            str(part),
+            "--engine-json",
+            json.dumps({**engine_kwargs, **settings}),
+        ]
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-            results[name] = json.loads(part.read_text())["throughput"] if done.returncode == 0 else \
-                {"error": done.stderr[-2000:]}
+            results[name] = (
+                json.loads(part.read_text())["throughput"]
+                if done.returncode == 0
+                else {"error": done.stderr[-2000:]}
+            )
         except subprocess.TimeoutExpired:
             results[name] = {"error": f"timed out after {timeout:.0f} s"}
         r = results[name]
-        print(f"{name:20s} " + (f"{r['output_tok_per_s']:,.0f} tok/s" if "output_tok_per_s" in r else r["error"][-300:]),
-              flush=True)
+        print(
+            f"{name:20s} "
+            + (
+                f"{r['output_tok_per_s']:,.0f} tok/s"
+                if "output_tok_per_s" in r
+                else r["error"][-300:]
+            ),
+            flush=True,
+        )
     return results
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Command line: python -m nanoengine.bench --help."""
-    p = argparse.ArgumentParser(prog="python -m nanoengine.bench",
-                                description="Benchmark nanoengine on nano-vllm's workload (random-weight Qwen3).")
+    p = argparse.ArgumentParser(
+        prog="python -m nanoengine.bench",
+        description="Benchmark nanoengine on nano-vllm's workload (random-weight Qwen3).",
+    )
     p.add_argument("--model", help="checkpoint directory (default: write a random one of --preset)")
-    p.add_argument("--preset", default="qwen3-0.6b", help="architecture of the random checkpoint (qwen3-0.6b, tiny)")
-    p.add_argument("--throughput", action="store_true", help="the 256-request workload (output tokens/s)")
+    p.add_argument(
+        "--preset",
+        default="qwen3-0.6b",
+        help="architecture of the random checkpoint (qwen3-0.6b, tiny)",
+    )
+    p.add_argument(
+        "--throughput", action="store_true", help="the 256-request workload (output tokens/s)"
+    )
     p.add_argument("--latency", action="store_true", help="batch-1 decode: ms per output token")
-    p.add_argument("--decode-sweep", action="store_true", help="decode step time vs batch size, eager and graphs")
-    p.add_argument("--ablations", action="store_true", help="throughput with each optimisation switched off")
-    p.add_argument("--profile", action="store_true", help="decode steps at batch 256 and 1: wall vs GPU kernel time")
+    p.add_argument(
+        "--decode-sweep",
+        action="store_true",
+        help="decode step time vs batch size, eager and graphs",
+    )
+    p.add_argument(
+        "--ablations", action="store_true", help="throughput with each optimisation switched off"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="decode steps at batch 256 and 1: wall vs GPU kernel time",
+    )
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--engine-json", default="{}", help='extra LLM(...) keywords as JSON, e.g. \'{"enforce_eager": true}\'')
+    p.add_argument(
+        "--engine-json",
+        default="{}",
+        help="extra LLM(...) keywords as JSON, e.g. '{\"enforce_eager\": true}'",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     if not (args.throughput or args.latency or args.decode_sweep or args.ablations or args.profile):
-        p.error("choose at least one of --throughput, --latency, --decode-sweep, --ablations, --profile")
+        p.error(
+            "choose at least one of --throughput, --latency, --decode-sweep, --ablations, --profile"
+        )
     from nanoengine import LLM
+
     model = Path(args.model) if args.model else ensure_checkpoint(args.preset)
     engine_kwargs = {"max_model_len": 4096, **json.loads(args.engine_json)}
     results: dict = {"provenance": provenance(), "engine": engine_kwargs, "model": str(model)}
     if args.throughput or args.latency or args.decode_sweep or args.profile:
         llm = LLM(model, **engine_kwargs)
-        results["engine_info"] = {"num_kvcache_blocks": llm.config.num_kvcache_blocks,
-                                  "attention_backend": type(llm.model_runner.backend).__name__,
-                                  "cuda_graphs": getattr(llm.model_runner, "graphs", None) is not None,
-                                  "dtype": str(llm.config.dtype), "device": str(llm.config.device),
-                                  "gemv_report": getattr(llm.model_runner, "gemv_report", {})}
+        results["engine_info"] = {
+            "num_kvcache_blocks": llm.config.num_kvcache_blocks,
+            "attention_backend": type(llm.model_runner.backend).__name__,
+            "cuda_graphs": getattr(llm.model_runner, "graphs", None) is not None,
+            "dtype": str(llm.config.dtype),
+            "device": str(llm.config.device),
+            "gemv_report": getattr(llm.model_runner, "gemv_report", {}),
+        }
         if args.throughput:
-            results["throughput"] = measure_throughput(llm, args.num_seqs, args.max_input_len, args.max_output_len)
-            print(f"throughput: {results['throughput']['output_tok_per_s']:,.0f} output tok/s "
-                  f"({results['throughput']['output_tokens']:,} tokens in {results['throughput']['seconds']:.2f} s)")
+            results["throughput"] = measure_throughput(
+                llm, args.num_seqs, args.max_input_len, args.max_output_len
+            )
+            print(
+                f"throughput: {results['throughput']['output_tok_per_s']:,.0f} output tok/s "
+                f"({results['throughput']['output_tokens']:,} tokens in "
+                f"{results['throughput']['seconds']:.2f} s)"
+            )
         if args.latency:
             results["latency"] = measure_latency(llm)
             print(f"batch-1 decode: {results['latency']['ms_per_token']:.3f} ms per output token")
@@ -254,7 +369,10 @@ def main(argv: list[str] | None = None) -> dict:
             results["profile_batch1"] = measure_step_profile(llm, batch=1, context=100)
             for key in ("profile", "profile_batch1"):
                 p = results[key]
-                print(f"{key}: {p['wall_ms_per_step']:.3f} ms per step, {p['gpu_kernel_ms_per_step']:.3f} ms of kernels")
+                print(
+                    f"{key}: {p['wall_ms_per_step']:.3f} ms per step, "
+                    f"{p['gpu_kernel_ms_per_step']:.3f} ms of kernels"
+                )
         del llm
     if args.ablations:
         out_dir = Path(tempfile.mkdtemp())

@@ -17,20 +17,20 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-POLL_SECONDS = 0.1                        # how often a waiting process checks that its peers are alive
-IDLE_TIMEOUT = timedelta(days=365)        # how long a worker may wait for rank 0's next step
-SHM_BYTES = 1 << 20                       # the shared-memory channel's first segment; it grows on demand
+POLL_SECONDS = 0.1  # how often a waiting process checks that its peers are alive
+IDLE_TIMEOUT = timedelta(days=365)  # how long a worker may wait for rank 0's next step
+SHM_BYTES = 1 << 20  # the shared-memory channel's first segment; it grows on demand
 SHM_PREFIX = "nanoengine"
 
 
 def parent_alive() -> bool:
-    """False once the process that spawned this one has died (always True outside multiprocessing)."""
+    """False once the process that spawned this one has died (True outside multiprocessing)."""
     parent = parent_process()
     return parent is None or parent.is_alive()
 
 
 def wait_event(event, check: Callable[[], None], timeout: float, what: str) -> None:
-    """Wait for a multiprocessing Event, calling `check` (which raises if a peer died) every POLL_SECONDS."""
+    """Wait for an Event, calling `check` (raises if a peer died) every POLL_SECONDS."""
     deadline = time.monotonic() + timeout
     while not event.wait(POLL_SECONDS):
         check()
@@ -39,7 +39,7 @@ def wait_event(event, check: Callable[[], None], timeout: float, what: str) -> N
 
 
 class PipeChannel:
-    """The naive control plane: one pipe per worker; rank 0 pickles and writes every message once per worker."""
+    """The naive control plane: a pipe per worker; rank 0 writes each message n times."""
 
     def __init__(self, num_workers: int, ctx):
         pipes = [ctx.Pipe(duplex=False) for _ in range(num_workers)]
@@ -50,13 +50,15 @@ class PipeChannel:
         return PipeReceiver(self.readers[i])
 
     def started(self) -> None:
-        """After the spawn: close rank 0's copies of the read ends, so that a dead worker breaks its pipe."""
+        """After the spawn: close rank 0's read ends, so that a dead worker breaks its pipe."""
         for reader in self.readers:
             reader.close()
 
-    def send(self, message: tuple, check: Callable[[], None] = lambda: None, timeout: float = 0) -> None:
+    def send(
+        self, message: tuple, check: Callable[[], None] = lambda: None, timeout: float = 0
+    ) -> None:
         for writer in self.writers:
-            writer.send(message)                                  # pickles the message again for every worker
+            writer.send(message)  # pickles the message again for every worker
 
     def close(self) -> None:
         for conn in self.readers + self.writers:
@@ -66,6 +68,7 @@ class PipeChannel:
 @dataclass(slots=True)
 class PipeReceiver:
     """A worker's end of its pipe."""
+
     conn: Any
 
     def open(self) -> "PipeReceiver":
@@ -89,7 +92,7 @@ def remove_stale_segments() -> list[str]:
     """Unlink this engine's segments whose creating process no longer exists; return their names."""
     try:
         names = os.listdir("/dev/shm")
-    except OSError:                                               # no /dev/shm on this system: nothing to sweep
+    except OSError:  # no /dev/shm on this system: nothing to sweep
         return []
     removed = []
     for name in names:
@@ -98,7 +101,7 @@ def remove_stale_segments() -> list[str]:
         if prefix != SHM_PREFIX or not pid.isdigit():
             continue
         try:
-            os.kill(int(pid), 0)                                  # the owner (or a process reusing its pid) lives
+            os.kill(int(pid), 0)  # the owner (or a process reusing its pid) lives
             continue
         except ProcessLookupError:
             pass
@@ -113,11 +116,12 @@ def remove_stale_segments() -> list[str]:
 
 
 class ShmChannel:
-    """One uniquely named shared-memory segment that rank 0 writes and every worker reads; it grows on demand.
+    """A uniquely named shared-memory segment that rank 0 writes and every worker reads; it grows.
 
-    Each worker has a `ready` event (a message is waiting) and a `done` event (it has read the last one);
+    Each worker has a `ready` event (a message waits) and a `done` event (it read the last one);
     rank 0 never overwrites a message that some worker has not read.
     """
+
     HEADER = 8  # bytes: the payload's length, little-endian
 
     def __init__(self, num_workers: int, ctx, size: int | None = None):
@@ -126,12 +130,14 @@ class ShmChannel:
         self.ready = [ctx.Event() for _ in range(num_workers)]
         self.done = [ctx.Event() for _ in range(num_workers)]
         for event in self.done:
-            event.set()                                           # nothing to read yet
+            event.set()  # nothing to read yet
         self.num_grows = 0
 
     @staticmethod
     def _create(size: int) -> SharedMemory:
-        return SharedMemory(name=f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}", create=True, size=size)
+        return SharedMemory(
+            name=f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}", create=True, size=size
+        )
 
     @property
     def name(self) -> str:
@@ -144,8 +150,10 @@ class ShmChannel:
     def started(self) -> None:
         pass
 
-    def send(self, message: tuple, check: Callable[[], None] = lambda: None, timeout: float = 600.0) -> None:
-        """Pickle once, wait until the last message was read by everyone, write, wake every worker."""
+    def send(
+        self, message: tuple, check: Callable[[], None] = lambda: None, timeout: float = 600.0
+    ) -> None:
+        """Pickle once, wait until everyone read the last message, write, wake every worker."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         if self.HEADER + len(data) > self.shm.size:
             self._grow(self.HEADER + len(data), check, timeout)
@@ -157,15 +165,15 @@ class ShmChannel:
             wait_event(event, check, timeout, f"rank {rank} reading its previous message")
 
     def _write(self, data: bytes) -> None:
-        self.shm.buf[:self.HEADER] = len(data).to_bytes(self.HEADER, "little")
-        self.shm.buf[self.HEADER:self.HEADER + len(data)] = data
+        self.shm.buf[: self.HEADER] = len(data).to_bytes(self.HEADER, "little")
+        self.shm.buf[self.HEADER : self.HEADER + len(data)] = data
         for event in self.done:
             event.clear()
         for event in self.ready:
             event.set()
 
     def _grow(self, needed: int, check: Callable[[], None], timeout: float) -> None:
-        """Move to a segment at least twice as large: announce it in the old one, wait until every worker switched."""
+        """Move to a segment at least twice as large: announce it, wait for every worker."""
         new = self._create(max(2 * self.shm.size, 1 << (needed - 1).bit_length()))
         try:
             self._wait_read(check, timeout)
@@ -189,12 +197,13 @@ class ShmChannel:
             except FileNotFoundError:
                 pass
             self.shm = None
-        self.ready, self.done = [], []                            # their named semaphores vanish with them
+        self.ready, self.done = [], []  # their named semaphores vanish with them
 
 
 @dataclass(slots=True)
 class ShmReceiver:
     """A worker's view of the shared-memory channel."""
+
     name: str
     ready: Any
     done: Any
@@ -211,8 +220,8 @@ class ShmReceiver:
                 if not parent_alive():
                     return None
             self.ready.clear()
-            n = int.from_bytes(self.shm.buf[:ShmChannel.HEADER], "little")
-            message = pickle.loads(self.shm.buf[ShmChannel.HEADER:ShmChannel.HEADER + n])
+            n = int.from_bytes(self.shm.buf[: ShmChannel.HEADER], "little")
+            message = pickle.loads(self.shm.buf[ShmChannel.HEADER : ShmChannel.HEADER + n])
             if message[0] == "resize":
                 self.shm.close()
                 self.shm = SharedMemory(name=message[1])
@@ -227,12 +236,16 @@ class ShmReceiver:
 
 # %% ../../notebooks/15_tensor_parallel.ipynb #f6b09320
 class DistChannel:
-    """Rank 0 broadcasts each message (broadcast_object_list) on a gloo group of its own, on every host."""
+    """Rank 0 broadcasts each message (broadcast_object_list) on a gloo group of its own."""
 
     def __init__(self):
-        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # a collective: every rank calls it
+        self.group = dist.new_group(
+            backend="gloo", timeout=IDLE_TIMEOUT
+        )  # a collective: every rank calls it
 
-    def send(self, message: tuple, check: Callable[[], None] = lambda: None, timeout: float = 0) -> None:
+    def send(
+        self, message: tuple, check: Callable[[], None] = lambda: None, timeout: float = 0
+    ) -> None:
         dist.broadcast_object_list([message], src=0, group=self.group)
 
     def recv(self) -> tuple | None:
@@ -244,4 +257,4 @@ class DistChannel:
         return self
 
     def close(self) -> None:
-        pass                                                      # destroyed with the default process group
+        pass  # destroyed with the default process group

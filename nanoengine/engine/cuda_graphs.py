@@ -27,16 +27,27 @@ def bucket_for(buckets: list[int], n: int) -> int:
     """The smallest captured batch size that holds n sequences."""
     i = bisect.bisect_left(buckets, n)
     if n < 1 or i == len(buckets):
-        raise ValueError(f"a decode batch of {n} sequences does not fit the captured sizes 1..{buckets[-1]}")
+        raise ValueError(
+            f"a decode batch of {n} sequences does not fit the captured sizes 1..{buckets[-1]}"
+        )
     return buckets[i]
 
 # %% ../../notebooks/11_cuda_graphs.ipynb #7f6ecfe0
 class CUDAGraphDecoder:
-    """The model's decode forward captured as CUDA graphs, one per batch-size bucket, sharing one memory pool."""
+    """The decode forward as CUDA graphs, one per batch-size bucket, sharing one memory pool."""
 
-    def __init__(self, model: torch.nn.Module, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 step_context: StepContext = DEFAULT_STEP):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        step_context: StepContext = DEFAULT_STEP,
+    ):
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model, self.step_context = model, step_context  # the holder the model's layers read
@@ -49,15 +60,21 @@ class CUDAGraphDecoder:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.full((n, self.max_blocks), -1, dtype=torch.int32, device=device)
-        self.outputs = torch.zeros(n, hidden_size, dtype=dtype, device=device)  # [max_batch, hidden]
+        self.outputs = torch.zeros(
+            n, hidden_size, dtype=dtype, device=device
+        )  # [max_batch, hidden]
         self.max_model_len = max_model_len
-        self.short_context = min(FLASH_ONE_SPLIT_MAX_KEYS, max_model_len)  # small buckets: a graph for short contexts
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, longest context it serves) -> graph
+        self.short_context = min(
+            FLASH_ONE_SPLIT_MAX_KEYS, max_model_len
+        )  # small buckets: a graph for short contexts
+        self.graphs: dict[
+            tuple[int, int], torch.cuda.CUDAGraph
+        ] = {}  # (bucket, longest context it serves) -> graph
         self.pool = None
         self._capture()
 
     def context_variants(self, bs: int) -> list[int]:
-        """The longest contexts the graphs of bucket `bs` are captured for (small buckets get a short-context one)."""
+        """The longest contexts bucket `bs` gets graphs for (small buckets: a short one too)."""
         if bs < SMALL_BATCH and self.short_context < self.max_model_len:
             return [self.max_model_len, self.short_context]
         return [self.max_model_len]
@@ -66,9 +83,13 @@ class CUDAGraphDecoder:
     def _capture(self) -> None:
         for bs in reversed(self.buckets):
             for max_keys in self.context_variants(bs):
-                self.step_context.set(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
-                                      max_seqlen_k=max_keys, context_lens=self.context_lens[:bs],
-                                      block_tables=self.block_tables[:bs])
+                self.step_context.set(
+                    is_prefill=False,
+                    slot_mapping=self.slot_mapping[:bs],
+                    max_seqlen_k=max_keys,
+                    context_lens=self.context_lens[:bs],
+                    block_tables=self.block_tables[:bs],
+                )
                 self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, self.pool):
@@ -79,18 +100,31 @@ class CUDAGraphDecoder:
                 torch.cuda.synchronize()
         self.step_context.reset()
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-               context_lens: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int = 0) -> torch.Tensor:
-        """Copy one decode batch into the static buffers, replay its bucket's graph; hidden states [n, hidden].
+    def replay(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        max_seqlen_k: int = 0,
+    ) -> torch.Tensor:
+        """Copy a decode batch into the static buffers, replay its bucket's graph -> [n, hidden].
 
-        `max_seqlen_k`, the longest context in the batch (0 = unknown), picks the short-context graph when it fits."""
+        `max_seqlen_k`, the longest context in the batch (0 = unknown), picks the short-context
+        graph when it fits."""
         n, width = block_tables.shape
         bs = bucket_for(self.buckets, n)
         short = (bs, self.short_context)
-        graph = self.graphs[short] if 0 < max_seqlen_k <= self.short_context and short in self.graphs \
+        graph = (
+            self.graphs[short]
+            if 0 < max_seqlen_k <= self.short_context and short in self.graphs
             else self.graphs[bs, self.max_model_len]
+        )
         if width > self.max_blocks:
-            raise ValueError(f"block tables of {width} blocks exceed the captured width {self.max_blocks}")
+            raise ValueError(
+                f"block tables of {width} blocks exceed the captured width {self.max_blocks}"
+            )
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.slot_mapping[:n] = slot_mapping

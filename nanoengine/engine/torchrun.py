@@ -14,16 +14,21 @@ from .workers import init_tp_group, launched_by_torchrun
 
 
 def run_worker() -> None:
-    """Serve as a worker rank (RANK > 0) of an engine that rank 0 builds with control_plane="dist" under torchrun."""
+    """Serve as a worker rank (RANK > 0) of an engine rank 0 builds with control_plane="dist"."""
     if not launched_by_torchrun():
-        raise RuntimeError("run_worker() needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: start it with torchrun")
+        raise RuntimeError(
+            "run_worker() needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: start it with "
+            "torchrun"
+        )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
-        raise RuntimeError("rank 0 builds the engine: call LLM(..., control_plane='dist') there, not run_worker()")
+        raise RuntimeError(
+            "rank 0 builds the engine: call LLM(..., control_plane='dist') there, not run_worker()"
+        )
     init_tp_group(torch.device("cpu"), rank, world_size)
     try:
         channel = DistChannel()
-        job, job_args = channel.recv()                            # what to run, with rank 0's Config
+        job, job_args = channel.recv()  # what to run, with rank 0's Config
         job(rank, int(os.environ.get("LOCAL_RANK", rank)), channel.recv, *job_args)
     finally:
         dist.destroy_process_group()

@@ -22,28 +22,42 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import Config
-from .channels import POLL_SECONDS, DistChannel, PipeChannel, ShmChannel, parent_alive
+from nanoengine.engine.channels import (
+    POLL_SECONDS,
+    DistChannel,
+    PipeChannel,
+    ShmChannel,
+    parent_alive,
+)
 from .llm_engine import CONTROL_PLANES
 from .model_runner import ModelRunner, rank_device
 
-TIMEOUT = timedelta(minutes=10)           # start-up, and any one collective of a forward pass
-EXIT_SECONDS = 10.0                       # how long close() waits for workers to leave on their own
+TIMEOUT = timedelta(minutes=10)  # start-up, and any one collective of a forward pass
+EXIT_SECONDS = 10.0  # how long close() waits for workers to leave on their own
 
 
 def check_tensor_parallel(config: Config) -> None:
-    """ValueError, before any process starts, when the model or the machine cannot be split over the ranks."""
+    """ValueError, before any process starts, when the model or machine cannot be split."""
     tp, hf = config.tensor_parallel_size, config.hf_config
     heads = hf.num_attention_heads
-    for name, value in (("num_attention_heads", heads),
-                        ("num_key_value_heads", getattr(hf, "num_key_value_heads", None) or heads),
-                        ("vocab_size", hf.vocab_size), ("intermediate_size", hf.intermediate_size)):
+    for name, value in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", getattr(hf, "num_key_value_heads", None) or heads),
+        ("vocab_size", hf.vocab_size),
+        ("intermediate_size", hf.intermediate_size),
+    ):
         if value % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {name}={value}: every rank "
-                             "must hold an equal share; choose a tensor_parallel_size that divides it")
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's {name}={value}: every rank "
+                "must hold an equal share; choose a tensor_parallel_size that divides it"
+            )
     if config.device.type == "cuda":
         first, count = config.device.index or 0, torch.cuda.device_count()
         if first + tp > count:
-            raise ValueError(f"tensor_parallel_size={tp} needs GPUs {first}..{first + tp - 1}, but torch sees {count}")
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs GPUs {first}..{first + tp - 1}, but torch sees "
+                f"{count}"
+            )
 
 
 def _usable_cpus() -> int:
@@ -55,7 +69,7 @@ def _usable_cpus() -> int:
 
 @contextmanager
 def _gloo_on_loopback():
-    """While creating gloo groups of one machine's ranks: use the loopback interface unless the user chose one."""
+    """While creating gloo groups of one machine's ranks: loopback unless the user chose."""
     name = {"linux": "lo", "darwin": "lo0"}.get(sys.platform)
     if name is None or "GLOO_SOCKET_IFNAME" in os.environ:
         yield
@@ -67,11 +81,15 @@ def _gloo_on_loopback():
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
-def init_tp_group(device: torch.device, rank: int, world_size: int, store: dist.Store | None = None) -> None:
-    """Join the tensor-parallel process group: NCCL on GPUs, gloo on CPU; rendezvous via `store`, else env://."""
-    if store is None:                                             # torchrun: MASTER_ADDR/PORT, RANK, WORLD_SIZE
+def init_tp_group(
+    device: torch.device, rank: int, world_size: int, store: dist.Store | None = None
+) -> None:
+    """Join the tensor-parallel process group: NCCL on GPUs, gloo on CPU; via `store` or env://."""
+    if store is None:  # torchrun: MASTER_ADDR/PORT, RANK, WORLD_SIZE
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=TIMEOUT)
+        dist.init_process_group(
+            backend, init_method="env://", rank=rank, world_size=world_size, timeout=TIMEOUT
+        )
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -84,15 +102,17 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def serve_model(rank: int, local_rank: int, receive: Callable[[], tuple | None], config: Config) -> None:
-    """A worker's job in an engine: build this rank's shard of the model and KV pool, then run rank 0's steps."""
+def serve_model(
+    rank: int, local_rank: int, receive: Callable[[], tuple | None], config: Config
+) -> None:
+    """A worker's job in an engine: build this rank's shard, then run rank 0's steps."""
     ModelRunner(config, rank, local_rank).serve(receive)
 
 
 def serve_echo(rank: int, local_rank: int, receive: Callable[[], tuple | None]) -> None:
-    """A worker's job in the control-plane benchmark: one small all-reduce per message (carrying a bytes CRC)."""
+    """A worker's job in the control-plane benchmark: a small all-reduce (CRC) per message."""
     while (message := receive()) is not None and message[0] != "exit":
-        if message[0] == "spin":                                  # ("spin", n): n all-reduces, no messages
+        if message[0] == "spin":  # ("spin", n): n all-reduces, no messages
             for _ in range(message[1]):
                 dist.all_reduce(torch.zeros(1, dtype=torch.int64))
             continue
@@ -101,12 +121,29 @@ def serve_echo(rank: int, local_rank: int, receive: Callable[[], tuple | None]) 
         dist.all_reduce(torch.tensor([crc], dtype=torch.int64))
 
 
-def _worker_main(rank: int, world_size: int, device: torch.device, port: int, control_plane: str, endpoint: Any,
-                 num_threads: int, job: Callable, job_args: tuple) -> None:
-    """A spawned worker rank: rendezvous, open the control channel, run `job`, report any error, exit."""
+def _package_relative(report: str) -> str:
+    """A traceback whose nanoengine frames read `nanoengine/...`, not this machine's paths."""
+    import nanoengine
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(nanoengine.__file__)))
+    return report.replace(root + os.sep, "")
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    port: int,
+    control_plane: str,
+    endpoint: Any,
+    num_threads: int,
+    job: Callable,
+    job_args: tuple,
+) -> None:
+    """A spawned worker rank: rendezvous, open the control channel, run `job`, report errors."""
     loopback = {"linux": "lo", "darwin": "lo0"}.get(sys.platform)
     if loopback:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)          # every rank is on this machine
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # every rank is on this machine
     torch.set_num_threads(num_threads)
     store = receiver = None
     code = 0
@@ -118,9 +155,13 @@ def _worker_main(rank: int, world_size: int, device: torch.device, port: int, co
         job(rank, rank, receiver.recv, *job_args)
     except BaseException:
         code = 1
-        if parent_alive():                                       # an orphan's only error is that rank 0 is gone
-            report = traceback.format_exc()
-            print(f"nanoengine tensor-parallel rank {rank} failed:\n{report}", file=sys.stderr, flush=True)
+        if parent_alive():  # an orphan's only error is that rank 0 is gone
+            report = _package_relative(traceback.format_exc())
+            print(
+                f"nanoengine tensor-parallel rank {rank} failed:\n{report}",
+                file=sys.stderr,
+                flush=True,
+            )
             try:
                 store.set(f"error/{rank}", report)
             except Exception:
@@ -135,7 +176,8 @@ def _worker_main(rank: int, world_size: int, device: torch.device, port: int, co
 # %% ../../notebooks/15a_worker_group.ipynb #58655689
 @dataclass(slots=True)
 class _Resources:
-    """Everything rank 0 must release, kept apart from WorkerGroup so that a finalizer can release it."""
+    """Everything rank 0 must release, apart from WorkerGroup so that a finalizer can release it."""
+
     procs: list = field(default_factory=list)
     channel: Any = None
     store: Any = None
@@ -146,7 +188,7 @@ class _Resources:
 
 
 def _release(res: _Resources) -> None:
-    """Stop the workers (politely first, unless a step failed), remove the segment, leave the process group."""
+    """Stop the workers (politely unless a step failed), remove the segment, leave the group."""
     if res.released:
         return
     res.released = True
@@ -162,7 +204,7 @@ def _release(res: _Resources) -> None:
         if p.is_alive():
             p.kill()
             p.join(5)
-    channel, res.channel = res.channel, None                      # its events' semaphores go with it
+    channel, res.channel = res.channel, None  # its events' semaphores go with it
     if channel is not None:
         channel.close()
     if res.owns_group and dist.is_initialized():
@@ -183,16 +225,26 @@ def _signal_name(code: int) -> str:
 
 
 class WorkerGroup:
-    """Rank 0's handle on ranks 1..P-1: their processes, the process group and the control channel."""
+    """Rank 0's handle on ranks 1..P-1: their processes, the process group, the control channel."""
 
-    def __init__(self, world_size: int, device: torch.device, control_plane: str = "shm",
-                 job: Callable = serve_model, job_args: tuple = ()):
+    def __init__(
+        self,
+        world_size: int,
+        device: torch.device,
+        control_plane: str = "shm",
+        job: Callable = serve_model,
+        job_args: tuple = (),
+    ):
         if control_plane not in CONTROL_PLANES:
-            raise ValueError(f"control_plane must be one of {CONTROL_PLANES}, got {control_plane!r}")
+            raise ValueError(
+                f"control_plane must be one of {CONTROL_PLANES}, got {control_plane!r}"
+            )
         if dist.is_initialized():
-            raise RuntimeError("this process already has a torch.distributed process group (another tensor-parallel "
-                               "engine, or your own init_process_group): close it first, or run this engine in "
-                               "another process")
+            raise RuntimeError(
+                "this process already has a torch.distributed process group (another "
+                "tensor-parallel engine, or your own init_process_group): close it first, or run "
+                "this engine in another process"
+            )
         self.world_size, self.device, self.control_plane = world_size, device, control_plane
         self.local_rank = 0
         self.res = _Resources(num_threads=torch.get_num_threads())
@@ -218,17 +270,36 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         num_threads = max(1, _usable_cpus() // self.world_size) if self.device.type == "cpu" else 1
         with _gloo_on_loopback():
-            self.res.store = store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
-                                                   wait_for_workers=False, timeout=TIMEOUT)
+            self.res.store = store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                self.world_size,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=TIMEOUT,
+            )
             if self.control_plane == "shm":
                 self.res.channel = ShmChannel(self.world_size - 1, ctx)
             elif self.control_plane == "pipe":
                 self.res.channel = PipeChannel(self.world_size - 1, ctx)
             for rank in range(1, self.world_size):
                 endpoint = None if self.res.channel is None else self.res.channel.endpoint(rank - 1)
-                p = ctx.Process(target=_worker_main, name=f"nanoengine-rank{rank}", daemon=True,
-                                args=(rank, self.world_size, self.device, store.port, self.control_plane, endpoint,
-                                      num_threads, job, job_args))
+                p = ctx.Process(
+                    target=_worker_main,
+                    name=f"nanoengine-rank{rank}",
+                    daemon=True,
+                    args=(
+                        rank,
+                        self.world_size,
+                        self.device,
+                        store.port,
+                        self.control_plane,
+                        endpoint,
+                        num_threads,
+                        job,
+                        job_args,
+                    ),
+                )
                 p.start()
                 self.res.procs.append(p)
             if self.res.channel is not None:
@@ -244,24 +315,34 @@ class WorkerGroup:
     def _join_torchrun(self, job: Callable, job_args: tuple) -> None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if rank != 0:
-            raise ValueError(f"this is rank {rank} of a torchrun job: only rank 0 builds the engine; the other ranks "
-                             "call nanoengine.engine.torchrun.run_worker()")
+            raise ValueError(
+                f"this is rank {rank} of a torchrun job: only rank 0 builds the engine; the other "
+                "ranks "
+                "call nanoengine.engine.torchrun.run_worker()"
+            )
         if world_size != self.world_size:
-            raise ValueError(f"tensor_parallel_size={self.world_size} but torchrun started WORLD_SIZE={world_size}")
+            raise ValueError(
+                f"tensor_parallel_size={self.world_size} but torchrun started "
+                f"WORLD_SIZE={world_size}"
+            )
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         init_tp_group(self.device, 0, world_size)
         self.res.owns_group = True
         self.res.channel = DistChannel()
-        self.res.channel.send((job, job_args))                    # the workers learn what to run, with rank 0's Config
+        self.res.channel.send(
+            (job, job_args)
+        )  # the workers learn what to run, with rank 0's Config
 
     def _wait_until_joined(self) -> None:
-        """Wait until every worker has reached the rendezvous, failing fast if one dies on the way."""
+        """Wait until every worker reached the rendezvous, failing fast if one dies on the way."""
         deadline = time.monotonic() + TIMEOUT.total_seconds()
         for rank in range(1, self.world_size):
             while not self.res.store.check([f"joined/{rank}"]):
                 self.check_alive()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"tensor-parallel rank {rank} did not start within {TIMEOUT}")
+                    raise TimeoutError(
+                        f"tensor-parallel rank {rank} did not start within {TIMEOUT}"
+                    )
                 time.sleep(POLL_SECONDS / 4)
 
     def _worker_error(self, rank: int) -> str:
@@ -275,12 +356,14 @@ class WorkerGroup:
         return ""
 
     def dead_worker(self) -> WorkerDiedError | None:
-        """An error naming the first worker that has exited (rank, pid, exit code, its report), or None."""
+        """An error naming the first worker that exited (rank, pid, exit code, report), or None."""
         for rank, p in enumerate(self.res.procs, start=1):
             if p.exitcode is not None:
                 report = self._worker_error(rank)
-                return WorkerDiedError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                                       f"{_signal_name(p.exitcode)}" + (f"; its error:\n{report}" if report else ""))
+                return WorkerDiedError(
+                    f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                    f"{_signal_name(p.exitcode)}" + (f"; its error:\n{report}" if report else "")
+                )
         return None
 
     def check_alive(self) -> None:
@@ -291,8 +374,10 @@ class WorkerGroup:
     def send(self, message: tuple) -> None:
         """Hand every worker the next message; on any failure shut the group down and raise."""
         if self.res.failure is not None:
-            raise RuntimeError(f"the tensor-parallel workers were shut down after an earlier failure: "
-                               f"{self.res.failure}")
+            raise RuntimeError(
+                f"the tensor-parallel workers were shut down after an earlier failure: "
+                f"{self.res.failure}"
+            )
         if self.res.released:
             raise RuntimeError("this tensor-parallel engine is closed")
         try:
@@ -303,27 +388,29 @@ class WorkerGroup:
             raise
 
     def failed(self, error: BaseException) -> None:
-        """After an error on rank 0: shut every rank down; raise WorkerDiedError (from `error`) if a worker died."""
+        """After an error on rank 0: stop every rank; raise WorkerDiedError if a worker died."""
         dead = error if isinstance(error, WorkerDiedError) else self.dead_worker()
         deadline = time.monotonic() + (0 if isinstance(error, KeyboardInterrupt) else 2.0)
         while dead is None and self.res.procs and time.monotonic() < deadline:
-            time.sleep(POLL_SECONDS / 4)                          # a crashed worker fails rank 0's collective
-            dead = self.dead_worker()                             # a moment before its exit is reaped
+            time.sleep(POLL_SECONDS / 4)  # a crashed worker fails rank 0's collective
+            dead = self.dead_worker()  # a moment before its exit is reaped
         self.res.failure = str(dead) if dead is not None else f"{type(error).__name__}: {error}"
-        traceback.clear_frames(error.__traceback__)               # frames of the failed send hold the channel
+        traceback.clear_frames(error.__traceback__)  # frames of the failed send hold the channel
         self._finalizer()
         if dead is not None and dead is not error:
             raise dead from error
 
     def close(self) -> None:
-        """Ask the workers to exit, wait for them, remove the shared memory and leave the process group; idempotent."""
+        """Ask the workers to exit, wait, remove the shared memory, leave the group; idempotent."""
         self._finalizer()
 
 
 def start_tensor_parallel(config: Config, control_plane: str = "shm") -> ModelRunner:
-    """Rank 0 of a tensor-parallel engine: start (or join) the other ranks, build rank 0's runner, attach the group."""
+    """Rank 0 of a tensor-parallel engine: start (or join) the other ranks, build its runner."""
     check_tensor_parallel(config)
-    group = WorkerGroup(config.tensor_parallel_size, config.device, control_plane, serve_model, (config,))
+    group = WorkerGroup(
+        config.tensor_parallel_size, config.device, control_plane, serve_model, (config,)
+    )
     try:
         runner = ModelRunner(config, 0, group.local_rank)
     except BaseException as e:

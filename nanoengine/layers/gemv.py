@@ -17,34 +17,66 @@ except ImportError:
     triton = None
 
 GEMV_MAX_ROWS = 4
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 512, 2  # the best of a sweep on the H200 over Qwen3-0.6B's projections
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = (
+    4,
+    512,
+    2,
+)  # the best of a sweep on the H200 over Qwen3-0.6B's projections
 
 if triton is not None:
+
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_xm, stride_wn, stride_ym,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K: tl.constexpr,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
-                        mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)  # [BLOCK_N, BLOCK_K]
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                        mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
-            acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)  # [BLOCK_M, BLOCK_N]
+            w = tl.load(
+                w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                mask=(cols[:, None] < N) & (ks[None, :] < K),
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_K]
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                mask=(rows[:, None] < M) & (ks[None, :] < K),
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
+            acc += tl.sum(
+                x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2
+            )  # [BLOCK_M, BLOCK_N]
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+        tl.store(
+            y_ptr + rows[:, None] * stride_ym + cols[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=(rows[:, None] < M) & (cols[None, :] < N),
+        )
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for at most GEMV_MAX_ROWS rows with a Triton matrix-vector kernel: x [M, K] -> [M, N]."""
+    """F.linear for up to GEMV_MAX_ROWS rows by a Triton matrix-vector kernel: [M, K] -> [M, N]."""
     if triton is None:
         raise RuntimeError("gemv needs the triton package; use F.linear")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
     if not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv handles 1 to {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
     if x.stride(1) != 1 or weight.stride(1) != 1 or (bias is not None and not bias.is_contiguous()):
@@ -52,30 +84,50 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     m, n = x.shape[0], weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     _gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
-        x, weight, bias if bias is not None else weight, y, m, n, x.shape[1], x.stride(0), weight.stride(0),
-        y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=GEMV_BLOCK_N,
-        BLOCK_K=GEMV_BLOCK_K, num_warps=GEMV_WARPS)
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        m,
+        n,
+        x.shape[1],
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=GEMV_BLOCK_N,
+        BLOCK_K=GEMV_BLOCK_K,
+        num_warps=GEMV_WARPS,
+    )
     return y
 
 # %% ../../notebooks/11a_gemv.ipynb #5c487421
 GEMV_MARGIN = 1.25
-_USE_GEMV: dict[tuple, bool] = {}  # (rows, out features, in features, dtype) -> gemv measured faster
+_USE_GEMV: dict[
+    tuple, bool
+] = {}  # (rows, out features, in features, dtype) -> gemv measured faster
 
 
 def gemv_enabled() -> bool:
-    """Whether `choose_gemv` may pick the kernel: env NANOENGINE_GEMV unset or '1' means yes, '0' means no."""
+    """Whether `choose_gemv` may pick the kernel: NANOENGINE_GEMV unset or '1' yes, '0' no."""
     return env_switch("NANOENGINE_GEMV")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or `gemv` for the few-row shapes where `choose_gemv` measured it faster."""
-    if _USE_GEMV and x.is_cuda and x.dim() == 2 and _USE_GEMV.get((x.shape[0], *weight.shape, x.dtype)):
+    if (
+        _USE_GEMV
+        and x.is_cuda
+        and x.dim() == 2
+        and _USE_GEMV.get((x.shape[0], *weight.shape, x.dtype))
+    ):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _graph_time_us(fn, weights: list[torch.Tensor], x: torch.Tensor, repeats: int = 5) -> float:
-    """Microseconds per call of fn(x, w), cycling through `weights`, replayed from one CUDA graph."""
+    """Microseconds per call of fn(x, w), cycling through `weights`, replayed from a CUDA graph."""
     for w in weights:
         fn(x, w)  # compiles the kernel, sets up cuBLAS: nothing lazy may happen during capture
     graph = torch.cuda.CUDAGraph()
@@ -94,7 +146,7 @@ def _graph_time_us(fn, weights: list[torch.Tensor], x: torch.Tensor, repeats: in
 
 @torch.inference_mode()
 def choose_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 2, 4)) -> dict[str, dict]:
-    """Time F.linear and gemv on these CUDA weights per shape and row count; record where gemv wins by GEMV_MARGIN."""
+    """Time F.linear and gemv per shape and row count; record where gemv wins by GEMV_MARGIN."""
     if triton is None or not weights or not weights[0].is_cuda or not gemv_enabled():
         return {}
     by_shape: dict[tuple, list[torch.Tensor]] = {}
@@ -109,6 +161,9 @@ def choose_gemv(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 2, 4)) 
             cublas = _graph_time_us(lambda x, w: F.linear(x, w), group, x)
             ours = _graph_time_us(gemv, group, x)
             _USE_GEMV.setdefault((m, n, k, dtype), cublas > GEMV_MARGIN * ours)
-            report[f"{n}x{k} rows={m}"] = {"cublas_us": round(cublas, 2), "gemv_us": round(ours, 2),
-                                           "gemv": _USE_GEMV[m, n, k, dtype]}
+            report[f"{n}x{k} rows={m}"] = {
+                "cublas_us": round(cublas, 2),
+                "gemv_us": round(ours, 2),
+                "gemv": _USE_GEMV[m, n, k, dtype],
+            }
     return report
