@@ -13,17 +13,21 @@ MIN_TEMPERATURE = 1e-5  # a smaller positive temperature is stored as 0.0 (greed
 
 
 def check_stop(stop) -> tuple[str, ...]:
-    """Stop strings as a tuple: a string, or a list or tuple of non-empty strings (None means none)."""
+    """Stop strings as a tuple: a string, or a list or tuple of non-empty strings (None means
+    none)."""
     if stop is None:
         return ()
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)):
-        raise InvalidTypeError(f"stop must be a string or a list of strings, got {stop!r:.60} "
-                               f"({type(stop).__name__})")
+        raise InvalidTypeError(
+            f"stop must be a string or a list of strings, got {stop!r:.60} ({type(stop).__name__})"
+        )
     for s in stop:
         if not isinstance(s, str):
-            raise InvalidTypeError(f"stop must hold strings only, got {s!r:.60} ({type(s).__name__})")
+            raise InvalidTypeError(
+                f"stop must hold strings only, got {s!r:.60} ({type(s).__name__})"
+            )
         if not s:
             raise ValueError("stop strings must be non-empty, got ''")
     return tuple(dict.fromkeys(stop))  # in order, without repeats
@@ -32,6 +36,7 @@ def check_stop(stop) -> tuple[str, ...]:
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How one request chooses its tokens (immutable); temperature 0 is greedy."""
+
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -46,12 +51,15 @@ class SamplingParams:
         if top_k == 0:
             raise ValueError("top_k must be -1 (off) or >= 1, got 0")
         seed = self.seed if self.seed is None else check_int("seed", self.seed, 0, 2**63 - 1)
-        checked = dict(temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
-                       top_k=top_k,
-                       top_p=check_float("top_p", self.top_p, 0.0, 1.0, low_open=True),
-                       max_tokens=check_int("max_tokens", self.max_tokens, minimum=1),
-                       ignore_eos=check_bool("ignore_eos", self.ignore_eos),
-                       seed=seed, stop=check_stop(self.stop))
+        checked = dict(
+            temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
+            top_k=top_k,
+            top_p=check_float("top_p", self.top_p, 0.0, 1.0, low_open=True),
+            max_tokens=check_int("max_tokens", self.max_tokens, minimum=1),
+            ignore_eos=check_bool("ignore_eos", self.ignore_eos),
+            seed=seed,
+            stop=check_stop(self.stop),
+        )
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: the one place a field is written
 

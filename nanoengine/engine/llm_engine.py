@@ -28,9 +28,22 @@ from ..utils.dist import tp_world
 from ..utils.loader import resolve_model_path
 
 Prompt = str | list[int]
-ENGINE_ARGUMENTS = ("device", "dtype", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                    "gpu_memory_utilization", "num_kvcache_blocks", "kvcache_block_size", "tensor_parallel_size",
-                    "enforce_eager", "enable_prefix_caching", "attention_backend", "control_plane", "async_scheduling")
+ENGINE_ARGUMENTS = (
+    "device",
+    "dtype",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "num_kvcache_blocks",
+    "kvcache_block_size",
+    "tensor_parallel_size",
+    "enforce_eager",
+    "enable_prefix_caching",
+    "attention_backend",
+    "control_plane",
+    "async_scheduling",
+)
 CONTROL_PLANES = ("shm", "dist", "pipe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them, or *.tiktoken
 
@@ -38,6 +51,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of 
 @dataclass(slots=True)
 class StepRecord:
     """What one engine step did."""
+
     step: int
     is_prefill: bool
     num_tokens: int
@@ -54,6 +68,7 @@ class StepRecord:
 @dataclass(slots=True)
 class StreamEvent:
     """New tokens of one request, as the engine produced them (text is None without a tokenizer)."""
+
     index: int
     token_ids: list[int]
     text: str | None
@@ -62,13 +77,29 @@ class StreamEvent:
 
 
 class LLMEngine:
-    """The engine: validates requests, runs schedule → forward → postprocess steps, returns ordered results."""
+    """The engine: validates requests, runs schedule → forward → postprocess steps, returns ordered
+    results."""
 
-    def __init__(self, model: str | os.PathLike, *, device=None, dtype=None, max_num_batched_tokens: int = 16384,
-                 max_num_seqs: int = 512, max_model_len: int = 4096, gpu_memory_utilization: float = 0.9,
-                 num_kvcache_blocks: int | None = None, kvcache_block_size: int = 256, tensor_parallel_size: int = 1,
-                 enforce_eager: bool = False, enable_prefix_caching: bool = True, attention_backend: str = "auto",
-                 control_plane: str = "shm", async_scheduling: bool = True, **unknown):
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        device=None,
+        dtype=None,
+        max_num_batched_tokens: int = 16384,
+        max_num_seqs: int = 512,
+        max_model_len: int = 4096,
+        gpu_memory_utilization: float = 0.9,
+        num_kvcache_blocks: int | None = None,
+        kvcache_block_size: int = 256,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        control_plane: str = "shm",
+        async_scheduling: bool = True,
+        **unknown,
+    ):
         self.model_runner = None
         self.closed = False
         self._in_flight: tuple[ScheduledBatch, LaunchedStep] | None = None
@@ -78,25 +109,45 @@ class LLMEngine:
         if unknown:
             name = next(iter(unknown))
             close = difflib.get_close_matches(name, ENGINE_ARGUMENTS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; the arguments are {', '.join(ENGINE_ARGUMENTS)}"
-            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {name!r}{hint}")
+            hint = (
+                f"; did you mean {close[0]!r}?"
+                if close
+                else f"; the arguments are {', '.join(ENGINE_ARGUMENTS)}"
+            )
+            raise TypeError(
+                f"{type(self).__name__}() got an unexpected keyword argument {name!r}{hint}"
+            )
         self.async_scheduling = check_bool("async_scheduling", async_scheduling)
         if control_plane not in CONTROL_PLANES:
-            raise ValueError(f"control_plane must be one of {CONTROL_PLANES}, got {control_plane!r}")
+            raise ValueError(
+                f"control_plane must be one of {CONTROL_PLANES}, got {control_plane!r}"
+            )
         path = resolve_model_path(model)
-        self.config = Config(path, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                             num_kvcache_blocks=num_kvcache_blocks, kvcache_block_size=kvcache_block_size,
-                             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
-                             enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-                             device=device, dtype=dtype)
+        self.config = Config(
+            path,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_kvcache_blocks=num_kvcache_blocks,
+            kvcache_block_size=kvcache_block_size,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend,
+            device=device,
+            dtype=dtype,
+        )
         self.vocab_size = self.config.hf_config.vocab_size
         self.tokenizer = self._load_tokenizer(path)
         self.eos_token_ids = self._eos_token_ids(path)
         if self.config.num_kvcache_blocks is not None:
             self._check_kv_pool_fits()
         if self.config.tensor_parallel_size > 1:
-            from nanoengine.engine.workers import start_tensor_parallel  # one process per rank: chapter 15
+            from nanoengine.engine.workers import (
+                start_tensor_parallel,
+            )  # one process per rank: chapter 15
+
             self.model_runner = start_tensor_parallel(self.config, control_plane)
         else:
             with tp_world(0, 1):  # one rank, whatever process group this process has (chapter 15a)
@@ -109,15 +160,21 @@ class LLMEngine:
         """The checkpoint's tokenizer; None, with a warning, when it has no tokenizer files."""
         files = [path / name for name in TOKENIZER_FILES] + list(path.glob("*.tiktoken"))
         if not any(file.is_file() for file in files):
-            warnings.warn(f"model directory {str(path)!r} has no tokenizer "
-                          f"({' or '.join(TOKENIZER_FILES)}): this engine takes prompts as "
-                          "token-id lists only, and its outputs have no text", stacklevel=3)
+            warnings.warn(
+                f"model directory {str(path)!r} has no tokenizer "
+                f"({' or '.join(TOKENIZER_FILES)}): this engine takes prompts as "
+                "token-id lists only, and its outputs have no text",
+                stacklevel=3,
+            )
             return None
         tokenizer = AutoTokenizer.from_pretrained(path)
         if len(tokenizer) > self.vocab_size:
-            warnings.warn(f"the tokenizer has {len(tokenizer)} token ids but the model's "
-                          f"vocabulary has {self.vocab_size}: text that encodes to an id >= "
-                          f"{self.vocab_size} will be refused", stacklevel=3)
+            warnings.warn(
+                f"the tokenizer has {len(tokenizer)} token ids but the model's "
+                f"vocabulary has {self.vocab_size}: text that encodes to an id >= "
+                f"{self.vocab_size} will be refused",
+                stacklevel=3,
+            )
         return tokenizer
 
     def _eos_token_ids(self, path: Path) -> tuple[int, ...]:
@@ -128,12 +185,14 @@ class LLMEngine:
             try:
                 eos = GenerationConfig.from_pretrained(path).eos_token_id
             except Exception as e:
-                raise OSError(f"{str(file)!r} cannot be read ({type(e).__name__}: {e}); "
-                              "fix or delete it") from None
+                raise OSError(
+                    f"{str(file)!r} cannot be read ({type(e).__name__}: {e}); fix or delete it"
+                ) from None
             eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
-                raise ValueError(f"{str(file)!r}: eos_token_id must be a token id or a list of "
-                                 f"them, got {eos!r}")
+                raise ValueError(
+                    f"{str(file)!r}: eos_token_id must be a token id or a list of them, got {eos!r}"
+                )
             ids.update(eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
@@ -143,65 +202,89 @@ class LLMEngine:
         """A num_kvcache_blocks the device cannot hold: ValueError before anything is allocated."""
         cfg = self.config
         ranks_here = cfg.tensor_parallel_size if cfg.device.type == "cpu" else 1  # they share RAM
-        check_fits_in_memory(f"num_kvcache_blocks={cfg.num_kvcache_blocks} (the KV cache)",
-                             cfg.num_kvcache_blocks * kv_block_bytes(cfg) * ranks_here, cfg.device,
-                             "lower num_kvcache_blocks, or leave it None to size the pool from "
-                             "free memory")
+        check_fits_in_memory(
+            f"num_kvcache_blocks={cfg.num_kvcache_blocks} (the KV cache)",
+            cfg.num_kvcache_blocks * kv_block_bytes(cfg) * ranks_here,
+            cfg.device,
+            "lower num_kvcache_blocks, or leave it None to size the pool from free memory",
+        )
 
     def _check_open(self) -> None:
         if self.closed:
-            raise RuntimeError("this engine is closed: its KV cache (and worker processes) are "
-                               "released; create a new LLM to continue")
+            raise RuntimeError(
+                "this engine is closed: its KV cache (and worker processes) are "
+                "released; create a new LLM to continue"
+            )
 
     def _tokenize(self, i: int, prompt: Prompt) -> list[int]:
         """One prompt as checked token ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"prompt {i} is text, but this model has no tokenizer (its "
-                                 "directory has no tokenizer files): pass token-id lists, or add "
-                                 "the tokenizer files")
+                raise ValueError(
+                    f"prompt {i} is text, but this model has no tokenizer (its "
+                    "directory has no tokenizer files): pass token-id lists, or add "
+                    "the tokenizer files"
+                )
             token_ids = self.tokenizer.encode(prompt)
             if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.vocab_size:
                 bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
-                raise ValueError(f"prompt {i}: the tokenizer encodes the text to token id {bad}, "
-                                 f"outside the model's vocabulary [0, {self.vocab_size}) (the "
-                                 f"tokenizer has {len(self.tokenizer)} ids): the tokenizer does "
-                                 "not match this model")
+                raise ValueError(
+                    f"prompt {i}: the tokenizer encodes the text to token id {bad}, "
+                    f"outside the model's vocabulary [0, {self.vocab_size}) (the "
+                    f"tokenizer has {len(self.tokenizer)} ids): the tokenizer does "
+                    "not match this model"
+                )
         elif isinstance(prompt, (list, tuple)):
             token_ids = []
             for t in prompt:
                 if isinstance(t, bool) or not isinstance(t, Integral):
                     raise InvalidTypeError(f"prompt {i}: token ids must be ints, got {t!r}")
                 if not 0 <= t < self.vocab_size:
-                    raise ValueError(f"prompt {i}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+                    raise ValueError(
+                        f"prompt {i}: token id {t} is outside the vocabulary [0, {self.vocab_size})"
+                    )
                 token_ids.append(int(t))
         else:
-            raise InvalidTypeError(f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidTypeError(
+                f"prompt {i} must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         if not token_ids:
             raise ValueError(f"prompt {i} is empty: a request needs at least one token")
         return token_ids
 
     def _make_requests(self, prompts, sampling_params) -> list[Sequence]:
-        """Check every prompt and its parameters, then create the sequences (nothing is queued yet)."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and all(
-                isinstance(t, Integral) and not isinstance(t, bool) for t in prompts)):
+        """Check every prompt and its parameters, then create the sequences (nothing is queued
+        yet)."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple))
+            and prompts
+            and all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompts)
+        ):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise InvalidTypeError(f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}")
+            raise InvalidTypeError(
+                f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}"
+            )
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params must be one SamplingParams or a list of {len(prompts)} (one per "
-                             "prompt)")
+            raise ValueError(
+                f"sampling_params must be one SamplingParams or a list of {len(prompts)} (one per "
+                "prompt)"
+            )
         seqs = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             if not isinstance(params, SamplingParams):
-                raise InvalidTypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
+                raise InvalidTypeError(
+                    f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}"
+                )
             if params.stop and self.tokenizer is None:
-                raise ValueError(f"sampling_params[{i}]: stop strings need a tokenizer, and this "
-                                 "model has none (its directory has no tokenizer files)")
+                raise ValueError(
+                    f"sampling_params[{i}]: stop strings need a tokenizer, and this "
+                    "model has none (its directory has no tokenizer files)"
+                )
             token_ids = self._tokenize(i, prompt)
             try:
                 self.scheduler.check_request(len(token_ids), params)
@@ -210,7 +293,9 @@ class LLMEngine:
             seqs.append(Sequence(token_ids, params, block_size=self.config.kvcache_block_size))
         return seqs
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Sequence:
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Sequence:
         """Queue one request; returns its Sequence."""
         self._check_open()
         seq = self._make_requests([prompt], sampling_params)[0]
@@ -236,9 +321,10 @@ class LLMEngine:
         self.close()
 
     def step(self) -> list[Sequence]:
-        """Complete one step (launching it first if none is in flight); returns the sequences that finished.
+        """Complete one step (launching one first if none is in flight); returns finished sequences.
 
-        With async scheduling the decode step after it is planned and launched before its tokens are awaited."""
+        With async scheduling the decode step after it is planned and launched before its tokens are
+        awaited."""
         self._check_open()
         self._abort_deferred()
         t0 = perf_counter()
@@ -253,8 +339,9 @@ class LLMEngine:
             ahead = self.scheduler.schedule_ahead(batch) if self._can_plan_ahead() else None
             if ahead is not None:
                 try:
-                    step = self.model_runner.launch(ahead.seqs, False, after=launched,
-                                                    source_rows=ahead.source_rows)
+                    step = self.model_runner.launch(
+                        ahead.seqs, False, after=launched, source_rows=ahead.source_rows
+                    )
                     self._in_flight = (ahead, step)
                 except BaseException:
                     self._complete(batch, launched, t0)  # the placeholders get their real tokens
@@ -265,7 +352,8 @@ class LLMEngine:
             self._busy = False
 
     def _can_plan_ahead(self) -> bool:
-        """Async scheduling is on and the runner takes inputs from a step in flight (one rank only)."""
+        """Async scheduling is on and the runner takes inputs from a step in flight (one rank
+        only)."""
         return self.async_scheduling and self.model_runner.driver is None
 
     def _complete(self, batch: ScheduledBatch, launched: LaunchedStep, t0: float) -> list[Sequence]:
@@ -273,18 +361,32 @@ class LLMEngine:
         finished = self.scheduler.postprocess(batch, self.model_runner.collect(launched))
         self._check_stop_strings(batch, finished)
         bm = self.scheduler.block_manager
-        self.trace.append(StepRecord(batch.step, batch.is_prefill, batch.num_batched_tokens,
-                                     len(batch.seqs), len(batch.preempted), bm.num_blocks - bm.num_free_blocks,
-                                     len(bm.hash_to_block_id),
-                                     len(self.scheduler.waiting), len(self.scheduler.running), perf_counter() - t0,
-                                     batch.source_rows is not None))
+        self.trace.append(
+            StepRecord(
+                batch.step,
+                batch.is_prefill,
+                batch.num_batched_tokens,
+                len(batch.seqs),
+                len(batch.preempted),
+                bm.num_blocks - bm.num_free_blocks,
+                len(bm.hash_to_block_id),
+                len(self.scheduler.waiting),
+                len(self.scheduler.running),
+                perf_counter() - t0,
+                batch.source_rows is not None,
+            )
+        )
         return finished
 
     def _check_stop_strings(self, batch: ScheduledBatch, finished: list[Sequence]) -> None:
         """Finish the requests of `batch` whose text now contains a stop string (section 8)."""
         for seq in batch.seqs:
             stop = seq.sampling_params.stop
-            if not stop or seq.finish_reason not in (None, "length") or seq.last_token == PENDING_TOKEN:
+            if (
+                not stop
+                or seq.finish_reason not in (None, "length")
+                or seq.last_token == PENDING_TOKEN
+            ):
                 continue
             checker = self._stop_checkers.get(seq)
             if checker is None:
@@ -299,7 +401,8 @@ class LLMEngine:
             del self._stop_checkers[seq]
 
     def drain(self) -> list[Sequence]:
-        """Complete the step in flight, if any, without launching another; returns the sequences that finished."""
+        """Complete the step in flight, if any, without launching another; returns the sequences
+        that finished."""
         self._check_open()
         return self._drain()
 
@@ -317,8 +420,9 @@ class LLMEngine:
         """Stop an unfinished request and free its blocks (after completing the step in flight)."""
         self._check_open()
         if not isinstance(seq, Sequence):
-            raise InvalidTypeError("abort() takes a Sequence returned by add_request, got "
-                                   f"{type(seq).__name__}")
+            raise InvalidTypeError(
+                f"abort() takes a Sequence returned by add_request, got {type(seq).__name__}"
+            )
         self._drain()
         scheduler = self.scheduler
         if not seq.is_finished and seq not in scheduler.waiting and seq not in scheduler.running:
@@ -362,10 +466,14 @@ class LLMEngine:
         return text
 
     def _output(self, seq: Sequence) -> dict:
-        """text, token_ids (every token generated, the one that completed a stop string included)."""
-        return {"text": self._text(seq),
-                "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason,
-                "prompt_token_ids": seq.prompt_token_ids}
+        """text, token_ids (every token generated, the one that completed a stop string
+        included)."""
+        return {
+            "text": self._text(seq),
+            "token_ids": seq.completion_token_ids,
+            "finish_reason": seq.finish_reason,
+            "prompt_token_ids": seq.prompt_token_ids,
+        }
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
         """Queue the sequences, step until all are finished (yielding each time); abort on error."""
@@ -378,9 +486,14 @@ class LLMEngine:
         finally:
             self._release(seqs)
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
-        """Complete every prompt; one dict per prompt, in input order, with "text" and "token_ids"."""
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict]:
+        """Complete every prompt; one dict per prompt, in input order, with "text" and
+        "token_ids"."""
         self._check_open()
         use_tqdm = check_bool("use_tqdm", use_tqdm)
         seqs = self._make_requests(prompts, sampling_params)
@@ -396,15 +509,18 @@ class LLMEngine:
                     decode_rate = record.num_tokens / record.seconds
                 finished_now = sum(seq.is_finished for seq in seqs) - done
                 done += finished_now
-                bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, "
-                                    f"decode {decode_rate:,.0f} tok/s", refresh=False)
+                bar.set_postfix_str(
+                    f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
+                    refresh=False,
+                )
                 bar.update(finished_now)
         finally:
             bar.close()
         return [self._output(seq) for seq in seqs]
 
-    def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-               ) -> Iterator[StreamEvent]:
+    def stream(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> Iterator[StreamEvent]:
         """Yield each request's new tokens (and text) as produced; exactly one finished event each.
 
         Checked now, queued at the first next(), aborted if the iterator is closed or dropped."""
@@ -433,56 +549,84 @@ class LLMEngine:
                 if text.endswith("\ufffd"):
                     text = text_sent  # half a character: wait for the rest of its bytes
                 elif seq.sampling_params.stop:  # hold back what may be the start of a stop string
-                    text = text[:max(len(text_sent), len(text) - held_back(text, seq.sampling_params.stop))]
-            new_text = None if text is None else text[len(text_sent):]
+                    text = text[
+                        : max(len(text_sent), len(text) - held_back(text, seq.sampling_params.stop))
+                    ]
+            new_text = None if text is None else text[len(text_sent) :]
             sent[i] = [n, text if text is not None else "", seq.is_finished]
-            yield StreamEvent(i, seq.completion_token_ids[num_sent:n], new_text, seq.is_finished,
-                              seq.finish_reason)
+            yield StreamEvent(
+                i,
+                seq.completion_token_ids[num_sent:n],
+                new_text,
+                seq.is_finished,
+                seq.finish_reason,
+            )
 
-    def chat(self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[dict]:
-        """Generate replies to chat conversations (lists of {"role", "content"} messages) via the chat template."""
+    def chat(
+        self,
+        conversations,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict]:
+        """Generate replies to chat conversations (lists of {"role", "content"} messages) via the
+        chat template."""
         self._check_open()
-        if isinstance(conversations, (list, tuple)) and conversations and \
-                isinstance(conversations[0], dict):
+        if (
+            isinstance(conversations, (list, tuple))
+            and conversations
+            and isinstance(conversations[0], dict)
+        ):
             conversations = [conversations]
         if not isinstance(conversations, (list, tuple)) or not conversations:
-            raise InvalidTypeError("conversations must be a list of messages, or a list of such "
-                                   f"lists, got {conversations!r:.80}")
+            raise InvalidTypeError(
+                "conversations must be a list of messages, or a list of such "
+                f"lists, got {conversations!r:.80}"
+            )
         for i, messages in enumerate(conversations):
             _check_messages(i, messages)
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer (its directory has no tokenizer files), "
-                             "so chat() cannot format messages; use generate() with token ids")
+            raise ValueError(
+                "this model has no tokenizer (its directory has no tokenizer files), "
+                "so chat() cannot format messages; use generate() with token ids"
+            )
         if self.tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        prompts = [self.tokenizer.apply_chat_template(list(c), tokenize=False,
-                                                      add_generation_prompt=True)
-                   for c in conversations]
+            raise ValueError(
+                "this model's tokenizer has no chat template; use generate() with plain prompts"
+            )
+        prompts = [
+            self.tokenizer.apply_chat_template(list(c), tokenize=False, add_generation_prompt=True)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
 def _check_messages(i: int, messages) -> None:
     """Conversation i must be a non-empty list of {"role": str, "content": str} dicts."""
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise InvalidTypeError(f"conversation {i} must be a non-empty list of messages, "
-                               f"got {messages!r:.80}")
+        raise InvalidTypeError(
+            f"conversation {i} must be a non-empty list of messages, got {messages!r:.80}"
+        )
     for j, message in enumerate(messages):
         where = f"conversation {i}, message {j}"
         if not isinstance(message, dict):
-            raise InvalidTypeError(f"{where} must be a dict with 'role' and 'content', "
-                                   f"got {type(message).__name__}")
+            raise InvalidTypeError(
+                f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}"
+            )
         for key in ("role", "content"):
             if key not in message:
-                raise ValueError(f"{where} has no {key!r}: every message needs 'role' and "
-                                 "'content' strings")
+                raise ValueError(
+                    f"{where} has no {key!r}: every message needs 'role' and 'content' strings"
+                )
             if not isinstance(message[key], str):
-                raise InvalidTypeError(f"{where}: {key!r} must be a string, got "
-                                       f"{message[key]!r:.60} ({type(message[key]).__name__})")
+                raise InvalidTypeError(
+                    f"{where}: {key!r} must be a string, got "
+                    f"{message[key]!r:.60} ({type(message[key]).__name__})"
+                )
 
 
 class LLM(LLMEngine):
-    """Offline inference with nanoengine: `LLM(model, ...).generate(prompts, SamplingParams(...))`."""
+    """Offline inference with nanoengine: `LLM(model, ...).generate(prompts,
+    SamplingParams(...))`."""
 
 # %% ../../notebooks/10_llm_engine.ipynb #af1a4cda
 def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:
@@ -494,13 +638,14 @@ def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:
 def held_back(text: str, stop: tuple[str, ...]) -> int:
     """How many characters at the end of `text` could be the start of a stop string."""
     longest = min(len(text), max(map(len, stop), default=1) - 1)
-    return next((k for k in range(longest, 0, -1)
-                 if any(s.startswith(text[-k:]) for s in stop)), 0)
+    return next((k for k in range(longest, 0, -1) if any(s.startswith(text[-k:]) for s in stop)), 0)
 
 
 @dataclass(slots=True)
 class StopChecker:
-    """One request's completion, detokenized a few tokens at a time, searched for its stop strings."""
+    """One request's completion, detokenized a few tokens at a time, searched for its stop
+    strings."""
+
     tokenizer: object
     stop: tuple[str, ...]
     text: str = ""  # the completion's text so far
@@ -515,13 +660,13 @@ class StopChecker:
             return False
         self.num_tokens = n
         start = seq.num_prompt_tokens
-        window = seq.token_ids[start + self.prefix_offset:start + n]
+        window = seq.token_ids[start + self.prefix_offset : start + n]
         decode = self.tokenizer.decode
-        prefix = decode(window[:self.read_offset - self.prefix_offset], skip_special_tokens=True)
+        prefix = decode(window[: self.read_offset - self.prefix_offset], skip_special_tokens=True)
         full = decode(window, skip_special_tokens=True)
         if full.endswith("\ufffd"):
             return False  # the bytes of a character are still arriving
         self.prefix_offset, self.read_offset = self.read_offset, n
         search_from = max(0, len(self.text) - max(map(len, self.stop)) + 1)
-        self.text += full[len(prefix):]
+        self.text += full[len(prefix) :]
         return find_stop(self.text, self.stop, search_from) >= 0

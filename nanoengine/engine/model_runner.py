@@ -34,12 +34,14 @@ GPU_HEADROOM_BYTES = 1 << 30  # left free after sizing: CUDA graphs, library wor
 
 def kv_block_bytes(config: Config) -> int:
     """Bytes of one KV block (K and V, every layer) on one rank."""
-    return config.kvcache_block_size * kv_cache_bytes_per_token(config.hf_config, config.dtype,
-                                                                config.tensor_parallel_size)
+    return config.kvcache_block_size * kv_cache_bytes_per_token(
+        config.hf_config, config.dtype, config.tensor_parallel_size
+    )
 
 
 def default_cpu_num_blocks(config: Config) -> int:
-    """KV blocks for a CPU engine: min(256 MiB, RAM/10), within [one, max_num_seqs] max-length sequences."""
+    """KV blocks for a CPU engine: min(256 MiB, RAM/10), within [one, max_num_seqs] max-length
+    sequences."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -50,14 +52,16 @@ def default_cpu_num_blocks(config: Config) -> int:
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
-    """The device of a rank: the local_rank-th GPU from the configured one on CUDA, the CPU otherwise."""
+    """The device of a rank: the local_rank-th GPU from the configured one on CUDA, the CPU
+    otherwise."""
     if device.type != "cuda":
         return device
     return torch.device("cuda", (device.index or 0) + local_rank)
 
 
 def min_over_ranks(value: int, device: torch.device) -> int:
-    """The smallest `value` over all tensor-parallel ranks (an all-reduce MIN); `value` itself with one rank."""
+    """The smallest `value` over all tensor-parallel ranks (an all-reduce MIN); `value` itself with
+    one rank."""
     if tp_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
@@ -68,25 +72,31 @@ def min_over_ranks(value: int, device: torch.device) -> int:
 @dataclass(slots=True)
 class LaunchedStep:
     """A step queued on the device: its sampled token ids, and their copy on the way to the host."""
+
     token_ids: torch.Tensor | None  # [B] int64 on the runner's device (rank 0 only)
     host_ids: torch.Tensor | None  # [B] int64 on the host; valid once `ready` has passed
     ready: "torch.cuda.Event | None"  # None when nothing is asynchronous (CPU)
 
 
 class ModelRunner:
-    """One rank's model, KV pool and sampler: turns a scheduled batch into one sampled token per sequence."""
+    """One rank's model, KV pool and sampler: turns a scheduled batch into one sampled token per
+    sequence."""
 
     def __init__(self, config: Config, rank: int = 0, local_rank: int | None = None):
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         if (tp_size(), tp_rank()) != (self.world_size, rank):
-            raise RuntimeError(f"this process is rank {tp_rank()} of a process group of {tp_size()}, but the runner "
-                               f"was asked to be rank {rank} of tensor_parallel_size={self.world_size}; a "
-                               "tensor-parallel engine needs its own process group (close any other one first)")
+            raise RuntimeError(
+                f"this process is rank {tp_rank()} of a process group of {tp_size()}, but the "
+                "runner "
+                f"was asked to be rank {rank} of tensor_parallel_size={self.world_size}; a "
+                "tensor-parallel engine needs its own process group (close any other one first)"
+            )
         self.device = rank_device(config.device, rank if local_rank is None else local_rank)
         self.dtype = config.dtype
         self.closed = False
         self.block_size = config.kvcache_block_size
-        self.driver = None  # on rank 0 of several: the handle that drives the other ranks (tensor-parallel chapter)
+        # on rank 0 of several: the handle that drives the other ranks (tensor-parallel chapter)
+        self.driver = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()  # memory a closed engine left cached counts as free again
@@ -100,37 +110,54 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         load_model(self.model, config.model)
         self.model.eval()
-        self.step = StepContext()  # this runner's side channel (section 04.1): no state shared with others
+        # this runner's side channel (section 04.1): no state shared with others
+        self.step = StepContext()
         bind_step_context(self.model, self.step)
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
-        self.gemv_report = choose_gemv([m.weight for m in self.model.modules() if isinstance(m, LinearBase)]) \
-            if self.device.type == "cuda" else {}  # per shape: cuBLAS or the Triton kernel (chapter 11a)
-        self.backend = get_attention_backend(self._backend_name(), device=self.device,
-                                             block_size=self.block_size, dtype=self.dtype,
-                                             shape=(first.num_heads, first.num_kv_heads, first.head_dim))
+        self.gemv_report = (
+            choose_gemv([m.weight for m in self.model.modules() if isinstance(m, LinearBase)])
+            if self.device.type == "cuda"
+            else {}
+        )  # per shape: cuBLAS or the Triton kernel (chapter 11a)
+        self.backend = get_attention_backend(
+            self._backend_name(),
+            device=self.device,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            shape=(first.num_heads, first.num_kv_heads, first.head_dim),
+        )
         self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = CUDAGraphDecoder(self.model, max_num_seqs=config.max_num_seqs,
-                                           max_model_len=config.max_model_len, block_size=self.block_size,
-                                           hidden_size=config.hf_config.hidden_size, dtype=self.dtype,
-                                           device=self.device, step_context=self.step)
+            self.graphs = CUDAGraphDecoder(
+                self.model,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                block_size=self.block_size,
+                hidden_size=config.hf_config.hidden_size,
+                dtype=self.dtype,
+                device=self.device,
+                step_context=self.step,
+            )
 
     def _backend_name(self) -> str:
         """The attention backend to ask for: FlashAttention computes only in float16/bfloat16."""
         name = self.config.attention_backend
         if self.dtype not in (torch.float16, torch.bfloat16):
             if name == "flash":
-                raise ValueError(f"attention_backend='flash' needs dtype float16 or bfloat16, got {self.dtype}")
+                raise ValueError(
+                    f"attention_backend='flash' needs dtype float16 or bfloat16, got {self.dtype}"
+                )
             if name == "auto":
                 return "torch"
         return name
 
     def warmup(self) -> int:
-        """Run the largest prefill the scheduler can produce; return its peak activation memory in bytes."""
+        """Run the largest prefill the scheduler can produce; return its peak activation memory in
+        bytes."""
         cfg = self.config
         seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
         num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
@@ -149,12 +176,28 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         """Size the KV pool (the smallest over the ranks), allocate it and bind it to the layers."""
         self.local_num_kvcache_blocks = self.kv_blocks_that_fit()
-        num_blocks = min_over_ranks(self.local_num_kvcache_blocks, self.device)  # every rank: the same block ids
-        num_kv_heads, head_dim = self.attention_layers[0].num_kv_heads, self.attention_layers[0].head_dim
-        self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size, num_kv_heads, head_dim,
-                                    dtype=self.dtype, device=self.device)  # [K/V, layer, block, slot, head, dim]
+        # every rank: the same block ids
+        num_blocks = min_over_ranks(self.local_num_kvcache_blocks, self.device)
+        num_kv_heads, head_dim = (
+            self.attention_layers[0].num_kv_heads,
+            self.attention_layers[0].head_dim,
+        )
+        self.kv_cache = torch.zeros(
+            2,
+            len(self.attention_layers),
+            num_blocks,
+            self.block_size,
+            num_kv_heads,
+            head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )  # [K/V, layer, block, slot, head, dim]
         for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache, layer.backend = self.kv_cache[0, i], self.kv_cache[1, i], self.backend
+            layer.k_cache, layer.v_cache, layer.backend = (
+                self.kv_cache[0, i],
+                self.kv_cache[1, i],
+                self.backend,
+            )
         return num_blocks
 
     def kv_blocks_that_fit(self) -> int:
@@ -176,27 +219,35 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         own = torch.cuda.memory_allocated(self.device) - self.baseline_bytes  # weights and buffers
         share = total * cfg.gpu_memory_utilization
-        budget = share - own - self.peak_activation_bytes                     # this engine's share
-        room = free - self.peak_activation_bytes - GPU_HEADROOM_BYTES         # what others left
-        asked = f"gpu_memory_utilization={cfg.gpu_memory_utilization} gives this engine " \
-                f"{share / gib:.1f} of {total / gib:.1f} GiB"
+        budget = share - own - self.peak_activation_bytes  # this engine's share
+        room = free - self.peak_activation_bytes - GPU_HEADROOM_BYTES  # what others left
+        asked = (
+            f"gpu_memory_utilization={cfg.gpu_memory_utilization} gives this engine "
+            f"{share / gib:.1f} of {total / gib:.1f} GiB"
+        )
         if budget < block_bytes:
-            raise ValueError(f"no GPU memory left for the KV cache on {self.device}: {asked}, and its weights "
-                             f"({own / gib:.2f} GiB) and activations ({self.peak_activation_bytes / gib:.2f} "
-                             "GiB) take all of it; raise gpu_memory_utilization or lower "
-                             "max_num_batched_tokens")
+            raise ValueError(
+                f"no GPU memory left for the KV cache on {self.device}: {asked}, and its weights "
+                f"({own / gib:.2f} GiB) and activations ({self.peak_activation_bytes / gib:.2f} "
+                "GiB) take all of it; raise gpu_memory_utilization or lower "
+                "max_num_batched_tokens"
+            )
         if room < budget:
             fits = max(0.0, (free - GPU_HEADROOM_BYTES + own) / total)
-            raise ValueError(f"not enough free GPU memory on {self.device}: {asked}, but only "
-                             f"{free / gib:.1f} GiB are free (other engines or processes hold "
-                             f"{(total - free - own) / gib:.1f} GiB). Close engines you no longer use "
-                             f"(LLM.close()), or ask for less: gpu_memory_utilization={fits:.2f} fits now")
+            raise ValueError(
+                f"not enough free GPU memory on {self.device}: {asked}, but only "
+                f"{free / gib:.1f} GiB are free (other engines or processes hold "
+                f"{(total - free - own) / gib:.1f} GiB). Close engines you no longer use "
+                f"(LLM.close()), or ask for less: gpu_memory_utilization={fits:.2f} fits now"
+            )
         return int(budget // block_bytes)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A CPU list as a tensor on the runner's device (pinned, non-blocking copy on GPU)."""
         if self.device.type == "cuda":
-            return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+            return torch.tensor(values, dtype=dtype, pin_memory=True).to(
+                self.device, non_blocking=True
+            )
         return torch.tensor(values, dtype=dtype)
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -204,7 +255,9 @@ class ModelRunner:
         lengths = [len(seq.block_table) for seq in seqs]
         flat = [block for seq in seqs for block in seq.block_table]
         table = torch.full((len(seqs), max(lengths)), -1, dtype=torch.int32)
-        table[torch.arange(table.shape[1]) < torch.tensor(lengths)[:, None]] = torch.tensor(flat, dtype=torch.int32)
+        table[torch.arange(table.shape[1]) < torch.tensor(lengths)[:, None]] = torch.tensor(
+            flat, dtype=torch.int32
+        )
         if self.device.type == "cuda":
             return table.pin_memory().to(self.device, non_blocking=True)
         return table
@@ -216,7 +269,8 @@ class ModelRunner:
         max_seqlen_q = max_seqlen_k = 0
         for seq in seqs:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
-            input_ids += seq[start:end] if seq.is_prefill else [seq.last_token]  # a decode row: its newest token
+            # a decode row: its newest token
+            input_ids += seq[start:end] if seq.is_prefill else [seq.last_token]
             positions += range(start, end)
             cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)
@@ -230,54 +284,106 @@ class ModelRunner:
             else:
                 slot_mapping += [-1] * (end - start)
         has_cached_keys = cu_seqlens_k[-1] > cu_seqlens_q[-1]
-        self.step.set(is_prefill=True, cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
-                    cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32), max_seqlen_q=max_seqlen_q,
-                    max_seqlen_k=max_seqlen_k, slot_mapping=self._tensor(slot_mapping, torch.int32),
-                    block_tables=self._block_tables(seqs) if has_cached_keys else None)
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)  # [N], [N]
+        self.step.set(
+            is_prefill=True,
+            cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
+            cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            slot_mapping=self._tensor(slot_mapping, torch.int32),
+            block_tables=self._block_tables(seqs) if has_cached_keys else None,
+        )
+        # [N], [N]
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack one new token per sequence; publish slots, context lengths and block tables."""
         b, width = self.block_size, max(len(seq.block_table) for seq in seqs)
-        rows = [[seq.last_token, seq.num_tokens - 1, seq.block_table[-1] * b + (seq.num_tokens - 1) % b,
-                 seq.num_tokens, *seq.block_table, *[-1] * (width - len(seq.block_table))] for seq in seqs]
-        packed = self._tensor(rows, torch.int64)  # [B, 4 + max_blocks]: one host-to-device copy per step
-        self.step.set(is_prefill=False, slot_mapping=packed[:, 2].contiguous(),
-                      max_seqlen_k=max(r[3] for r in rows), context_lens=packed[:, 3].to(torch.int32),
-                      block_tables=packed[:, 4:].to(torch.int32))
+        rows = [
+            [
+                seq.last_token,
+                seq.num_tokens - 1,
+                seq.block_table[-1] * b + (seq.num_tokens - 1) % b,
+                seq.num_tokens,
+                *seq.block_table,
+                *[-1] * (width - len(seq.block_table)),
+            ]
+            for seq in seqs
+        ]
+        # [B, 4 + max_blocks]: one host-to-device copy per step
+        packed = self._tensor(rows, torch.int64)
+        self.step.set(
+            is_prefill=False,
+            slot_mapping=packed[:, 2].contiguous(),
+            max_seqlen_k=max(r[3] for r in rows),
+            context_lens=packed[:, 3].to(torch.int32),
+            block_tables=packed[:, 4:].to(torch.int32),
+        )
         return packed[:, 0].contiguous(), packed[:, 1].contiguous()  # input_ids [B], positions [B]
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
-        """Each sequence's sampling settings; a row samples the token at index num_tokens of its sequence."""
-        return SamplingBatch.from_params([seq.sampling_params for seq in seqs], [seq.num_tokens for seq in seqs],
-                                         device=self.device, check=False)
+        """Each sequence's sampling settings; a row samples the token at index num_tokens of its
+        sequence."""
+        return SamplingBatch.from_params(
+            [seq.sampling_params for seq in seqs],
+            [seq.num_tokens for seq in seqs],
+            device=self.device,
+            check=False,
+        )
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool, *, after: LaunchedStep | None = None,
-               source_rows: list[int] | None = None) -> LaunchedStep:
+    def launch(
+        self,
+        seqs: list[Sequence],
+        is_prefill: bool,
+        *,
+        after: LaunchedStep | None = None,
+        source_rows: list[int] | None = None,
+    ) -> LaunchedStep:
         """Queue one step (forward pass and sampling) on every rank without waiting for its tokens.
 
-        With `after`, a decode step planned ahead: row i's input token is row source_rows[i] of that step's output."""
+        With `after`, a decode step planned ahead: row i's input token is row source_rows[i] of that
+        step's output."""
         if self.closed:
             raise RuntimeError("this model runner is closed")
         if any(seq.block_size != self.block_size for seq in seqs):
-            raise ValueError(f"a sequence's block_size differs from the engine's kvcache_block_size {self.block_size}")
-        if after is not None and (is_prefill or self.driver is not None or source_rows is None
-                                  or len(source_rows) != len(seqs)):
-            raise ValueError("only a one-rank decode step, with one source row per sequence, can take its input "
-                             "tokens from a step in flight")
+            raise ValueError(
+                "a sequence's block_size differs from the engine's kvcache_block_size "
+                f"{self.block_size}"
+            )
+        if after is not None and (
+            is_prefill
+            or self.driver is not None
+            or source_rows is None
+            or len(source_rows) != len(seqs)
+        ):
+            raise ValueError(
+                "only a one-rank decode step, with one source row per sequence, can take its input "
+                "tokens from a step in flight"
+            )
         if self.driver is not None:
             self.driver.send(("run", seqs, is_prefill))  # the other ranks start the same step
         try:
-            input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+            input_ids, positions = (
+                self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+            )
             if after is not None:
-                input_ids = after.token_ids if len(source_rows) == len(after.token_ids) else \
-                    after.token_ids[self._tensor(source_rows, torch.int64)]  # [B]: sampled on the device, never copied
+                input_ids = (
+                    after.token_ids
+                    if len(source_rows) == len(after.token_ids)
+                    else after.token_ids[self._tensor(source_rows, torch.int64)]
+                )  # [B]: sampled on the device, never copied
             batch = self.prepare_sample(seqs) if self.rank == 0 else None
             if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
                 ctx = self.step.current
-                hidden = self.graphs.replay(input_ids, positions, ctx.slot_mapping, ctx.context_lens,
-                                            ctx.block_tables, ctx.max_seqlen_k)  # [num_seqs, hidden]
+                hidden = self.graphs.replay(
+                    input_ids,
+                    positions,
+                    ctx.slot_mapping,
+                    ctx.context_lens,
+                    ctx.block_tables,
+                    ctx.max_seqlen_k,
+                )  # [num_seqs, hidden]
             else:
                 hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden)  # [num_seqs, vocab]
@@ -293,13 +399,15 @@ class ModelRunner:
             return LaunchedStep(token_ids, host_ids, ready)
         except BaseException as e:
             if self.driver is not None:
-                self.driver.failed(e)  # shuts the other ranks down; raises an error naming a rank that died
+                # shuts the other ranks down; raises an error naming a rank that died
+                self.driver.failed(e)
             raise
         finally:
             self.step.reset()
 
     def collect(self, step: LaunchedStep) -> list[int]:
-        """Wait for a launched step's token ids and return them (an empty list on ranks other than 0)."""
+        """Wait for a launched step's token ids and return them (an empty list on ranks other than
+        0)."""
         if step.host_ids is None:
             return []
         if step.ready is not None:
@@ -307,11 +415,13 @@ class ModelRunner:
         return step.host_ids.tolist()
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """One forward pass over the batch on every rank; one sampled token id per sequence (on rank 0)."""
+        """One forward pass over the batch on every rank; one sampled token id per sequence (on rank
+        0)."""
         return self.collect(self.launch(seqs, is_prefill))
 
     def serve(self, receive: Callable[[], tuple | None]) -> None:
-        """A worker rank's loop: run every step rank 0 sends until it sends ("exit",) or `receive` returns None."""
+        """A worker rank's loop: run every step rank 0 sends until it sends ("exit",) or `receive`
+        returns None."""
         while (message := receive()) is not None and message[0] != "exit":
             method, *args = message
             if method != "run":
@@ -332,8 +442,7 @@ class ModelRunner:
         self.attention_layers = []
         self.kv_cache = self.graphs = self.model = self.sampler = self.backend = None
         self.step.reset()
-        gc.collect()                      # the model's modules refer to each other: free them now
+        gc.collect()  # the model's modules refer to each other: free them now
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()      # hand the cached blocks back to the driver
-
+            torch.cuda.empty_cache()  # hand the cached blocks back to the driver

@@ -10,33 +10,50 @@ from torch import nn
 from ..utils.context import DEFAULT_STEP
 
 
-def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            cu_seqlens_k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of each packed sequence over its own keys, bottom-right aligned; float32 math, GQA."""
+def varlen_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each packed sequence over its own keys, bottom-right aligned; float32
+    math, GQA."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)                                                  # [Nq, Hq, D]
+    out = torch.empty_like(q)  # [Nq, Hq, D]
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for s in range(len(bounds_q) - 1):
         q0, q1, k0, k1 = bounds_q[s], bounds_q[s + 1], bounds_k[s], bounds_k[s + 1]
-        qs = q[q0:q1].transpose(0, 1).float()                                  # [Hq, nq, D]
+        qs = q[q0:q1].transpose(0, 1).float()  # [Hq, nq, D]
         ks = k[k0:k1].transpose(0, 1).float().repeat_interleave(group, dim=0)  # [Hq, nk, D]
         vs = v[k0:k1].transpose(0, 1).float().repeat_interleave(group, dim=0)  # [Hq, nk, D]
-        scores = (qs @ ks.transpose(1, 2)) * scale                             # [Hq, nq, nk]
-        visible = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device).tril(diagonal=(k1 - k0) - (q1 - q0))
+        scores = (qs @ ks.transpose(1, 2)) * scale  # [Hq, nq, nk]
+        visible = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device).tril(
+            diagonal=(k1 - k0) - (q1 - q0)
+        )
         scores.masked_fill_(~visible, float("-inf"))
         out[q0:q1] = (scores.softmax(dim=-1) @ vs).transpose(0, 1).to(q.dtype)  # [nq, Hq, D]
     return out
 
 
 class Attention(nn.Module):
-    """Causal self-attention over the packed batch of the current Context; paged through `backend` once one is bound."""
+    """Causal self-attention over the packed batch of the current Context; paged through `backend`
+    once one is bound."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = (
+            num_heads,
+            head_dim,
+            scale,
+            num_kv_heads,
+        )
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = None
         self.step_context = DEFAULT_STEP  # the model runner binds its own (section 04.1)
@@ -47,7 +64,12 @@ class Attention(nn.Module):
         if self.backend is not None:
             return self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale)
         if context.cu_seqlens_q is None:
-            raise RuntimeError("Attention needs the batch layout: call set_context(is_prefill=True, cu_seqlens_q=...) "
-                               "before the forward pass")
-        cu_seqlens_k = context.cu_seqlens_q if context.cu_seqlens_k is None else context.cu_seqlens_k
+            raise RuntimeError(
+                "Attention needs the batch layout: call set_context(is_prefill=True, "
+                "cu_seqlens_q=...) "
+                "before the forward pass"
+            )
+        cu_seqlens_k = (
+            context.cu_seqlens_q if context.cu_seqlens_k is None else context.cu_seqlens_k
+        )
         return varlen_causal_attention(q, k, v, context.cu_seqlens_q, cu_seqlens_k, self.scale)

@@ -13,11 +13,22 @@ except ImportError:
     triton = None
 
 if triton is not None:
+
     @triton.jit
-    def _store_kv_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_ptr,
-                         D: tl.constexpr, BLOCK: tl.constexpr):
+    def _store_kv_kernel(
+        key_ptr,
+        key_stride,
+        value_ptr,
+        value_stride,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_ptr,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         token = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ptr + token).to(tl.int64)  # 64-bit offsets: big pools pass 2**31 elements
+        # 64-bit offsets: big pools pass 2**31 elements
+        slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot < 0:
             return
         offsets = tl.arange(0, BLOCK)
@@ -28,56 +39,107 @@ if triton is not None:
         tl.store(v_cache_ptr + slot * D + offsets, v, mask=mask)
 
 
-def check_kv_layout(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+def check_kv_layout(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Raise ValueError unless the tensors have the layout the store expects."""
     if key.dim() != 3 or key.shape != value.shape:
-        raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
-                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+        raise ValueError(
+            f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
     num_tokens, num_heads, head_dim = key.shape
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (num_heads, head_dim):
-        raise ValueError(f"k_cache and v_cache must be [num_blocks, block_size, {num_heads}, {head_dim}], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if (
+        k_cache.dim() != 4
+        or k_cache.shape != v_cache.shape
+        or tuple(k_cache.shape[2:]) != (num_heads, head_dim)
+    ):
+        raise ValueError(
+            f"k_cache and v_cache must be [num_blocks, block_size, {num_heads}, {head_dim}], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     for name, t in (("key", key), ("value", value)):
         if t.stride(2) != 1 or t.stride(1) != head_dim:
-            raise ValueError(f"each {name} row must be contiguous (heads then head_dim); got strides {t.stride()}")
+            raise ValueError(
+                f"each {name} row must be contiguous (heads then head_dim); got strides "
+                f"{t.stride()}"
+            )
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be an integer tensor of shape [{num_tokens}], got "
-                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping must be an integer tensor of shape [{num_tokens}], got "
+            f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     if not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous (the kernel reads slot i at offset i)")
     if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
-        raise ValueError(f"key/value dtypes ({key.dtype}, {value.dtype}) do not match the cache dtypes "
-                         f"({k_cache.dtype}, {v_cache.dtype})")
+        raise ValueError(
+            f"key/value dtypes ({key.dtype}, {value.dtype}) do not match the cache dtypes "
+            f"({k_cache.dtype}, {v_cache.dtype})"
+        )
     devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
     if len(devices) != 1:
-        raise ValueError(f"key, value, caches and slot_mapping must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError(
+            "key, value, caches and slot_mapping must be on one device, got "
+            f"{sorted(map(str, devices))}"
+        )
 
 
-def store_kv_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V rows at its slot, skipping negative slots such as -1 (vectorised PyTorch)."""
+def store_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V rows at its slot, skipping negative slots such as -1 (vectorised
+    PyTorch)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]  # [num_kept]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
 
 
-def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V rows at its slot, skipping negative slots (Triton kernel, one program per token)."""
+def store_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V rows at its slot, skipping negative slots (Triton kernel, one program
+    per token)."""
     if triton is None:
         raise RuntimeError("the Triton store needs the triton package; use store_kv_torch")
     num_tokens, num_heads, head_dim = key.shape
     width = num_heads * head_dim
-    _store_kv_kernel[(num_tokens,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping,
-                                    D=width, BLOCK=triton.next_power_of_2(width))
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        key.stride(0),
+        value,
+        value.stride(0),
+        k_cache,
+        v_cache,
+        slot_mapping,
+        D=width,
+        BLOCK=triton.next_power_of_2(width),
+    )
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, check: bool = True) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check: bool = True,
+) -> None:
     """Store a step's K/V into the paged cache: the Triton kernel on CUDA, PyTorch elsewhere."""
     if check:
         check_kv_layout(key, value, k_cache, v_cache, slot_mapping)

@@ -17,21 +17,36 @@ from ..utils.checks import check_int
 from ..utils.context import Context
 
 
-def key_slots(cu_seqlens_k: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+def key_slots(
+    cu_seqlens_k: torch.Tensor, block_tables: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Pool row of every key of every sequence, packed in cu_seqlens_k order: [total_k]."""
-    k_lens = cu_seqlens_k.diff().long()                                                   # [B]
-    seq = torch.repeat_interleave(torch.arange(len(k_lens), device=k_lens.device), k_lens)  # [total_k]
-    pos = torch.arange(len(seq), device=seq.device) - cu_seqlens_k[:-1].long()[seq]     # position in its sequence
+    k_lens = cu_seqlens_k.diff().long()  # [B]
+    # [total_k]
+    seq = torch.repeat_interleave(torch.arange(len(k_lens), device=k_lens.device), k_lens)
+    # position in its sequence
+    pos = torch.arange(len(seq), device=seq.device) - cu_seqlens_k[:-1].long()[seq]
     return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
 
 
 class AttentionBackend:
-    """Stores a step's K/V in the paged cache, then attends: `prefill` (packed, causal) or `decode` (one query each)."""
+    """Stores a step's K/V in the paged cache, then attends: `prefill` (packed, causal) or `decode`
+    (one query each)."""
+
     name = "base"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:
-        """q [N, Hq, D], k and v [N, Hk, D], caches [num_blocks, block_size, Hk, D] -> [N, Hq, D]."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: Context,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [N, Hq, D], k and v [N, Hk, D], caches [num_blocks, block_size, Hk, D] -> [N, Hq,
+        D]."""
         has_cache = k_cache.numel() > 0
         if has_cache:
             if ctx.slot_mapping is None:
@@ -39,7 +54,9 @@ class AttentionBackend:
             store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             if ctx.cu_seqlens_q is None or ctx.cu_seqlens_k is None:
-                raise RuntimeError("a prefill step needs cu_seqlens_q and cu_seqlens_k in the Context")
+                raise RuntimeError(
+                    "a prefill step needs cu_seqlens_q and cu_seqlens_k in the Context"
+                )
             if ctx.block_tables is not None and not has_cache:
                 raise RuntimeError("block_tables point into the KV cache, but no cache is bound")
             return self.prefill(q, k, v, k_cache, v_cache, ctx, scale)
@@ -49,13 +66,27 @@ class AttentionBackend:
             raise RuntimeError("a decode step reads the KV cache: bind k_cache and v_cache first")
         return self.decode(q, k_cache, v_cache, ctx, scale)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: Context,
+        scale: float,
+    ) -> torch.Tensor:
         """Attention of a prefill step whose K/V are already stored: [Nq, Hq, D]."""
         raise NotImplementedError
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
-               scale: float) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: Context,
+        scale: float,
+    ) -> torch.Tensor:
         """Attention of a decode step, one query per sequence over the cache: [B, Hq, D]."""
         raise NotImplementedError
 
@@ -64,78 +95,107 @@ class AttentionBackend:
 
 
 class TorchBackend(AttentionBackend):
-    """Plain PyTorch on any device: gathers paged K/V, float32 softmax, GQA; decode is loop- and sync-free."""
+    """Plain PyTorch on any device: gathers paged K/V, float32 softmax, GQA; decode is loop- and
+    sync-free."""
+
     name = "torch"
 
     def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
-        """Packed causal attention over the new K/V, or over each sequence's keys gathered from the pool."""
+        """Packed causal attention over the new K/V, or over each sequence's keys gathered from the
+        pool."""
         if ctx.block_tables is not None:
-            slots = key_slots(ctx.cu_seqlens_k, ctx.block_tables, k_cache.shape[1])     # [total_k]
-            k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]           # [total_k, Hk, D]
+            slots = key_slots(ctx.cu_seqlens_k, ctx.block_tables, k_cache.shape[1])  # [total_k]
+            k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]  # [total_k, Hk, D]
         elif k.shape[0] != int(ctx.cu_seqlens_k[-1]):
             raise RuntimeError("cu_seqlens_k counts cached keys, but block_tables is None")
         return varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, scale)
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
-        """Gather whole blocks per sequence, mask beyond context_lens; rows with no context give zeros."""
+        """Gather whole blocks per sequence, mask beyond context_lens; rows with no context give
+        zeros."""
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
-        tables = ctx.block_tables.clamp(min=0).long()                                  # [B, max_blocks]
-        keys = k_cache[tables].flatten(1, 2)                                           # [B, T, Hk, D]
-        values = v_cache[tables].flatten(1, 2)                                         # [B, T, Hk, D]
+        tables = ctx.block_tables.clamp(min=0).long()  # [B, max_blocks]
+        keys = k_cache[tables].flatten(1, 2)  # [B, T, Hk, D]
+        values = v_cache[tables].flatten(1, 2)  # [B, T, Hk, D]
         visible = torch.arange(keys.shape[1], device=q.device) < ctx.context_lens[:, None]  # [B, T]
         values = torch.where(visible[:, :, None, None], values.float(), 0.0)
-        grouped = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hk, G, D]
-        scores = torch.einsum("bhgd,bthd->bhgt", grouped, keys.float()) * scale           # [B, Hk, G, T]
+        # [B, Hk, G, D]
+        grouped = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.einsum("bhgd,bthd->bhgt", grouped, keys.float()) * scale  # [B, Hk, G, T]
         hidden = ~visible[:, None, None, :]
         probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1).masked_fill(hidden, 0.0)
-        out = torch.einsum("bhgt,bthd->bhgd", probs, values)                            # [B, Hk, G, D]
+        out = torch.einsum("bhgt,bthd->bhgd", probs, values)  # [B, Hk, G, D]
         return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 # %% ../../notebooks/08_paged_attention.ipynb #3e775453
-FLASH_BLOCK_MULTIPLE = 256                                 # flash-attn 2's paged kernels need block_size % 256 == 0
-FLASH_ONE_SPLIT_MAX_KEYS = 1024                            # decode contexts up to this long run unsplit (no merge)
+FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernels need block_size % 256 == 0
+FLASH_ONE_SPLIT_MAX_KEYS = 1024  # decode contexts up to this long run unsplit (no merge)
 
 
 class FlashBackend(AttentionBackend):
-    """FlashAttention-2 kernels that read the paged cache in place (CUDA, fp16/bf16, block_size a multiple of 256)."""
+    """FlashAttention-2 kernels that read the paged cache in place (CUDA, fp16/bf16, block_size a
+    multiple of 256)."""
+
     name = "flash"
 
     def __init__(self) -> None:
         try:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         except ImportError as error:
-            raise ImportError("FlashBackend needs the flash-attn package: pip install 'nanoengine[gpu]'") from error
+            raise ImportError(
+                "FlashBackend needs the flash-attn package: pip install 'nanoengine[gpu]'"
+            ) from error
         self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
     def forward(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
         """As AttentionBackend.forward; q must be float16 or bfloat16."""
         if q.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"FlashAttention computes in float16 or bfloat16, got q of dtype {q.dtype}")
+            raise TypeError(
+                f"FlashAttention computes in float16 or bfloat16, got q of dtype {q.dtype}"
+            )
         return super().forward(q, k, v, k_cache, v_cache, ctx, scale)
 
     def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
         """flash_attn_varlen_func over the new K/V, or over the pool through block_table."""
         if ctx.block_tables is not None:
-            k, v = k_cache, v_cache                                    # the whole pool, read through block_table
-        return self._varlen(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
-                            max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k, softmax_scale=scale,
-                            causal=True, block_table=ctx.block_tables)
+            k, v = k_cache, v_cache  # the whole pool, read through block_table
+        return self._varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q=ctx.cu_seqlens_q,
+            cu_seqlens_k=ctx.cu_seqlens_k,
+            max_seqlen_q=ctx.max_seqlen_q,
+            max_seqlen_k=ctx.max_seqlen_k,
+            softmax_scale=scale,
+            causal=True,
+            block_table=ctx.block_tables,
+        )
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
-        """flash_attn_with_kvcache: one query per sequence over context_lens keys; unsplit for short contexts."""
-        num_splits = 1 if 0 < ctx.max_seqlen_k <= FLASH_ONE_SPLIT_MAX_KEYS else 0  # 0: flash-attn's heuristic
-        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
-                                 block_table=ctx.block_tables, softmax_scale=scale, causal=True,
-                                 num_splits=num_splits)                                     # [B, 1, Hq, D]
-        return out.squeeze(1)                                                               # [B, Hq, D]
+        """flash_attn_with_kvcache: one query per sequence over context_lens keys; unsplit for short
+        contexts."""
+        # 0: flash-attn's heuristic
+        num_splits = 1 if 0 < ctx.max_seqlen_k <= FLASH_ONE_SPLIT_MAX_KEYS else 0
+        out = self._with_kvcache(
+            q.unsqueeze(1),
+            k_cache,
+            v_cache,
+            cache_seqlens=ctx.context_lens,
+            block_table=ctx.block_tables,
+            softmax_scale=scale,
+            causal=True,
+            num_splits=num_splits,
+        )  # [B, 1, Hq, D]
+        return out.squeeze(1)  # [B, Hq, D]
 
 
 def flash_attn_available() -> bool:
     """Whether the optional flash-attn package (the `gpu` extra) imports."""
     try:
         importlib.import_module("flash_attn")
-    except Exception:                                              # absent, or a build for another CUDA/torch
+    except Exception:  # absent, or a build for another CUDA/torch
         return False
     return True
 
@@ -145,31 +205,60 @@ def flash_unavailable_reason(device: str | torch.device, block_size: int) -> str
     if torch.device(device).type != "cuda":
         return f"device is {str(device)!r}, and FlashAttention runs on CUDA only"
     if block_size % FLASH_BLOCK_MULTIPLE:
-        return (f"block_size {block_size} is not a multiple of {FLASH_BLOCK_MULTIPLE}, "
-                "which flash-attn's paged kernels require")
+        return (
+            f"block_size {block_size} is not a multiple of {FLASH_BLOCK_MULTIPLE}, "
+            "which flash-attn's paged kernels require"
+        )
     if not flash_attn_available():
         return "the flash-attn package is not installed (pip install 'nanoengine[gpu]')"
     return None
 
-
 # %% ../../notebooks/08_paged_attention.ipynb #3e762e13
 def _probe_steps(block_size: int, device: torch.device) -> list[Context]:
-    """Three miniature steps: fresh prefill of 4 + 3 tokens, 3 tokens over 2 cached, decode of 2 rows."""
+    """Three miniature steps: fresh prefill of 4 + 3 tokens, 3 tokens over 2 cached, decode of 2
+    rows."""
+
     def t(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
+
     b = block_size
-    fresh = Context(is_prefill=True, cu_seqlens_q=t([0, 4, 7]), cu_seqlens_k=t([0, 4, 7]), max_seqlen_q=4,
-                    max_seqlen_k=4, slot_mapping=t([-1] * 7))
-    cached = Context(is_prefill=True, cu_seqlens_q=t([0, 3]), cu_seqlens_k=t([0, 5]), max_seqlen_q=3,
-                     max_seqlen_k=5, slot_mapping=t([b + 2, b + 3, b + 4]), block_tables=t([[1]]))
-    decode = Context(slot_mapping=t([b + 5, 2 * b]), max_seqlen_k=6, context_lens=t([6, 1]),
-                     block_tables=t([[1], [2]]))
+    fresh = Context(
+        is_prefill=True,
+        cu_seqlens_q=t([0, 4, 7]),
+        cu_seqlens_k=t([0, 4, 7]),
+        max_seqlen_q=4,
+        max_seqlen_k=4,
+        slot_mapping=t([-1] * 7),
+    )
+    cached = Context(
+        is_prefill=True,
+        cu_seqlens_q=t([0, 3]),
+        cu_seqlens_k=t([0, 5]),
+        max_seqlen_q=3,
+        max_seqlen_k=5,
+        slot_mapping=t([b + 2, b + 3, b + 4]),
+        block_tables=t([[1]]),
+    )
+    decode = Context(
+        slot_mapping=t([b + 5, 2 * b]),
+        max_seqlen_k=6,
+        context_lens=t([6, 1]),
+        block_tables=t([[1], [2]]),
+    )
     return [fresh, cached, decode]
 
 
-def flash_probe(backend: AttentionBackend, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype, device: str | torch.device, block_size: int,
-                atol: float = 3e-2) -> str | None:
+def flash_probe(
+    backend: AttentionBackend,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    block_size: int,
+    atol: float = 3e-2,
+) -> str | None:
     """Why `backend` disagrees with TorchBackend on three miniature steps of this shape, or None."""
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
@@ -177,50 +266,76 @@ def flash_probe(backend: AttentionBackend, *, num_heads: int, num_kv_heads: int,
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    caches = (rand(3, block_size, num_kv_heads, head_dim), rand(3, block_size, num_kv_heads, head_dim))
+    caches = (
+        rand(3, block_size, num_kv_heads, head_dim),
+        rand(3, block_size, num_kv_heads, head_dim),
+    )
     for ctx in _probe_steps(block_size, device):
         n = len(ctx.slot_mapping)
-        q, k, v = rand(n, num_heads, head_dim), rand(n, num_kv_heads, head_dim), rand(n, num_kv_heads, head_dim)
+        q, k, v = (
+            rand(n, num_heads, head_dim),
+            rand(n, num_kv_heads, head_dim),
+            rand(n, num_kv_heads, head_dim),
+        )
         kind = "prefill" if ctx.is_prefill else "decode"
         try:
-            got = backend.forward(q, k, v, *(x.clone() for x in caches), ctx, head_dim ** -0.5)
-        except Exception as error:                      # a build without this head dim raises
+            got = backend.forward(q, k, v, *(x.clone() for x in caches), ctx, head_dim**-0.5)
+        except Exception as error:  # a build without this head dim raises
             return f"{kind} raised {type(error).__name__}: {error}"
-        want = TorchBackend().forward(q, k, v, *(x.clone() for x in caches), ctx, head_dim ** -0.5)
-        diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("inf")
+        want = TorchBackend().forward(q, k, v, *(x.clone() for x in caches), ctx, head_dim**-0.5)
+        diff = (
+            (got.float() - want.float()).abs().max().item()
+            if got.shape == want.shape
+            else float("inf")
+        )
         if not diff <= atol:
             return f"{kind} differs from the PyTorch reference by {diff:.3g} (allowed {atol})"
     return None
 
 # %% ../../notebooks/08_paged_attention.ipynb #f26462eb
-def get_attention_backend(name: str = "auto", *, device: str | torch.device, block_size: int,
-                          shape: tuple[int, int, int] | None = None,
-                          dtype: torch.dtype | None = None) -> AttentionBackend:
+def get_attention_backend(
+    name: str = "auto",
+    *,
+    device: str | torch.device,
+    block_size: int,
+    shape: tuple[int, int, int] | None = None,
+    dtype: torch.dtype | None = None,
+) -> AttentionBackend:
     """The attention backend `name` for this device and block size; "auto" prefers FlashAttention.
 
-    With `shape` = (num_heads, num_kv_heads, head_dim) and `dtype`, FlashAttention must pass flash_probe."""
+    With `shape` = (num_heads, num_kv_heads, head_dim) and `dtype`, FlashAttention must pass
+    flash_probe."""
     if not isinstance(name, str) or name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     block_size = check_int("block_size", block_size, minimum=1)
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as error:
-        raise ValueError("device must be a torch.device or a device string such as 'cuda', "
-                         f"got {device!r}") from error
+        raise ValueError(
+            f"device must be a torch.device or a device string such as 'cuda', got {device!r}"
+        ) from error
     if name == "torch":
         return TorchBackend()
     reason = flash_unavailable_reason(device, block_size)
     probe_failed = False
     if reason is None and shape is not None:
         num_heads, num_kv_heads, head_dim = shape
-        wrong = flash_probe(FlashBackend(), num_heads=num_heads, num_kv_heads=num_kv_heads,
-                            head_dim=head_dim, dtype=dtype or torch.bfloat16, device=device,
-                            block_size=block_size)
+        wrong = flash_probe(
+            FlashBackend(),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype or torch.bfloat16,
+            device=device,
+            block_size=block_size,
+        )
         if wrong is not None:
             probe_failed = True
-            reason = (f"the installed flash-attn fails a start-up check at head_dim {head_dim} in "
-                      f"{dtype}: {wrong}; rebuild it with this head dim (scripts/build_flash_attn.sh, "
-                      'HEAD_DIMS="...") or use attention_backend="torch"')
+            reason = (
+                f"the installed flash-attn fails a start-up check at head_dim {head_dim} in "
+                f"{dtype}: {wrong}; rebuild it with this head dim (scripts/build_flash_attn.sh, "
+                'HEAD_DIMS="...") or use attention_backend="torch"'
+            )
     if name == "flash":
         if reason is not None:
             raise ValueError(f"attention backend 'flash' is unavailable: {reason}")

@@ -43,10 +43,13 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> 
 @dataclass(slots=True)
 class SamplingBatch:
     """Per-row sampling settings of one engine step, as tensors on the logits' device."""
+
     temperatures: torch.Tensor  # [B] float32, 0 = greedy
     top_ks: torch.Tensor  # [B] int64, -1 = off
     top_ps: torch.Tensor  # [B] float32, 1.0 = off
-    seeds: list[int | None]  # per-row seed for this step (from mix_seed); None = the global generator
+    seeds: list[
+        int | None
+    ]  # per-row seed for this step (from mix_seed); None = the global generator
     max_top_k: int = 0  # largest top_k in use, 0 when no row uses top-k
     all_greedy: bool = True
     any_greedy: bool = True
@@ -60,19 +63,31 @@ class SamplingBatch:
         return len(self.seeds)
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], positions: list[int],
-                    device: torch.device | str = "cpu", *, check: bool = True) -> "SamplingBatch":
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        positions: list[int],
+        device: torch.device | str = "cpu",
+        *,
+        check: bool = True,
+    ) -> "SamplingBatch":
         """Build the batch; `positions[i]` is the index in its sequence of the token row i samples.
 
         The engine passes `check=False`: its rows were validated when the requests were added."""
         if check:
             if len(params) != len(positions):
-                raise ValueError(f"params and positions must have the same length, got {len(params)} and "
-                                 f"{len(positions)}")
+                raise ValueError(
+                    f"params and positions must have the same length, got {len(params)} and "
+                    f"{len(positions)}"
+                )
             for i, sp in enumerate(params):
                 if not isinstance(sp, SamplingParams):
-                    raise TypeError(f"params[{i}] must be a SamplingParams, got {type(sp).__name__}")
-            positions = [check_int(f"positions[{i}]", pos, minimum=0) for i, pos in enumerate(positions)]
+                    raise TypeError(
+                        f"params[{i}] must be a SamplingParams, got {type(sp).__name__}"
+                    )
+            positions = [
+                check_int(f"positions[{i}]", pos, minimum=0) for i, pos in enumerate(positions)
+            ]
         temperatures, top_ks, top_ps, seeds = [], [], [], []
         for sp, pos in zip(params, positions):
             temperatures.append(float(sp.temperature))
@@ -84,7 +99,8 @@ class SamplingBatch:
                 top_ks.append(-1)
                 top_ps.append(1.0)
                 seeds.append(None)
-        floats = _to_device([temperatures, top_ps], torch.float32, device)  # [2, B]: one host-to-device copy
+        # [2, B]: one host-to-device copy
+        floats = _to_device([temperatures, top_ps], torch.float32, device)
         any_top_k = any(k > 0 for k in top_ks)
         return cls(
             temperatures=floats[0],
@@ -101,30 +117,38 @@ class SamplingBatch:
 
 # %% ../../notebooks/06_sampler.ipynb #64de2d6d
 def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Set each row's logits outside its top-k and its nucleus (top-p) to -inf, in place; returns `logits`."""
+    """Set each row's logits outside its top-k and its nucleus (top-p) to -inf, in place; returns
+    `logits`."""
     if not (batch.any_top_k or batch.any_top_p):
         return logits
     if batch.any_top_p:
         ranked = logits.sort(dim=-1, descending=True).values  # [B, V]
     else:
-        ranked = logits.topk(min(batch.max_top_k, logits.shape[-1]), dim=-1).values  # [B, k_max], descending
+        # [B, k_max], descending
+        ranked = logits.topk(min(batch.max_top_k, logits.shape[-1]), dim=-1).values
     threshold = torch.full_like(ranked[:, :1], float("-inf"))  # [B, 1]
     if batch.any_top_k:
         k = batch.top_ks.clamp(1, ranked.shape[-1]).unsqueeze(1)  # [B, 1]
-        threshold = ranked.gather(1, k - 1).masked_fill_((batch.top_ks < 1).unsqueeze(1), float("-inf"))
+        threshold = ranked.gather(1, k - 1).masked_fill_(
+            (batch.top_ks < 1).unsqueeze(1), float("-inf")
+        )
         if batch.any_top_p:
             ranked.masked_fill_(ranked < threshold, float("-inf"))
     if batch.any_top_p:
         probs = ranked.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
-        num_kept = (mass_before < batch.top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)  # [B, 1]
-        cutoff = ranked.gather(1, num_kept - 1).masked_fill_((batch.top_ps >= 1).unsqueeze(1), float("-inf"))
+        # [B, 1]
+        num_kept = (mass_before < batch.top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
+        cutoff = ranked.gather(1, num_kept - 1).masked_fill_(
+            (batch.top_ps >= 1).unsqueeze(1), float("-inf")
+        )
         threshold = torch.maximum(threshold, cutoff)
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 # %% ../../notebooks/06_sampler.ipynb #737cd18c
 def draw_exponentials(like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Exp(1) noise shaped like `like` [B, V]: seeded rows from their own generator, the rest from the global one."""
+    """Exp(1) noise shaped like `like` [B, V]: seeded rows from their own generator, the rest from
+    the global one."""
     noise = torch.empty_like(like, dtype=torch.float32)
     if not all(seed is not None for seed in batch.seeds):
         noise.exponential_()
@@ -140,51 +164,63 @@ def draw_exponentials(like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 @maybe_compile
 def _scale(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """logits / temperature in float32 (greedy rows, temperature 0, divide by 1)."""
-    return logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)  # [B, V] float32
+    # [B, V] float32
+    return logits.float() / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
 
 
 ARGMAX_CHUNK = 2048
 
 
 def chunked_argmax(scores: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
-    """argmax(-1) of non-negative scores [B, V] in two stages (chunk maxima, then the best chunk); first index on ties."""
+    """argmax(-1) of non-negative scores [B, V] in two stages (chunk maxima, then the best chunk);
+    first index on ties."""
     rows, vocab = scores.shape
-    best, offset = F.pad(scores, (0, -vocab % chunk)).view(rows, -1, chunk).max(dim=-1)  # [B, C] each
+    # [B, C] each
+    best, offset = F.pad(scores, (0, -vocab % chunk)).view(rows, -1, chunk).max(dim=-1)
     winner = best.argmax(dim=-1, keepdim=True)  # [B, 1]
     return (winner * chunk + offset.gather(-1, winner)).squeeze(-1)  # [B]
 
 
 @maybe_compile
 def _race(scaled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The exponential race: argmax of p_i / E_i per row, with p left unnormalised (the softmax's sum cancels)."""
-    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()  # [B, V], softmax without the division
+    """The exponential race: argmax of p_i / E_i per row, with p left unnormalised (the softmax's
+    sum cancels)."""
+    # [B, V], softmax without the division
+    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp()
     return chunked_argmax(weights / noise)  # [B]
 
 
 @maybe_compile
-def _scale_and_race(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def _scale_and_race(
+    logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
     """`_scale` then `_race` as one compiled region: the path when no row uses top-k or top-p."""
     return _race.eager(_scale.eager(logits, temperatures), noise)  # [B]
 
 
 class Sampler(nn.Module):
-    """Turns one row of logits per sequence into one token id: greedy, or temperature + top-k + top-p sampling."""
+    """Turns one row of logits per sequence into one token id: greedy, or temperature + top-k +
+    top-p sampling."""
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Sample token ids [B] (int64) from `logits` [B, V]."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
         if logits.shape[0] != batch.num_rows:
-            raise ValueError(f"logits has {logits.shape[0]} rows but the SamplingBatch has {batch.num_rows}")
+            raise ValueError(
+                f"logits has {logits.shape[0]} rows but the SamplingBatch has {batch.num_rows}"
+            )
         if logits.shape[1] == 0:
             raise ValueError("logits must have a non-empty vocabulary dimension")
         if batch.all_greedy:
             return logits.argmax(dim=-1)  # [B]
         if batch.any_top_k or batch.any_top_p:
-            scaled = apply_top_k_top_p(_scale(logits, batch.temperatures), batch)  # [B, V] float32, a fresh tensor
+            # [B, V] float32, a fresh tensor
+            scaled = apply_top_k_top_p(_scale(logits, batch.temperatures), batch)
             sampled = _race(scaled, draw_exponentials(scaled, batch))  # [B]
         else:
-            sampled = _scale_and_race(logits, batch.temperatures, draw_exponentials(logits, batch))  # [B]
+            # [B]
+            sampled = _scale_and_race(logits, batch.temperatures, draw_exponentials(logits, batch))
         if not batch.any_greedy:
             return sampled
         return torch.where(batch.temperatures > 0, sampled, logits.argmax(dim=-1))

@@ -11,14 +11,19 @@ from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ..layers.layernorm import RMSNorm, rms_norm
-from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoengine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from ..layers.rotary_embedding import apply_rotary_emb, get_rope
 from ..utils.compile import maybe_compile
 from ..utils.dist import tp_size
 
 
 def rope_settings(config) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from a transformers 4 or 5 config; scaling is None for plain RoPE."""
+    """(rope_theta, rope_scaling) from a transformers 4 or 5 config; scaling is None for plain
+    RoPE."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict):
         scaling = None if params.get("rope_type", "default") == "default" else params
@@ -27,32 +32,65 @@ def rope_settings(config) -> tuple[float, dict | None]:
 
 
 @maybe_compile
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                 cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """QK-norm, then RoPE, of q [N, Hq, D] and k [N, Hk, D] as one compiled region (GPU: a kernel per tensor)."""
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """QK-norm, then RoPE, of q [N, Hq, D] and k [N, Hk, D] as one compiled region (GPU: a kernel
+    per tensor)."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [N, 1, D/2] each
-    return (apply_rotary_emb.eager(rms_norm.eager(q, q_weight, eps), cos, sin),
-            apply_rotary_emb.eager(rms_norm.eager(k, k_weight, eps), cos, sin))
+    return (
+        apply_rotary_emb.eager(rms_norm.eager(q, q_weight, eps), cos, sin),
+        apply_rotary_emb.eager(rms_norm.eager(k, k_weight, eps), cos, sin),
+    )
 
 
 class Qwen3Attention(nn.Module):
-    """Fused QKV projection, optional QK-norm, RoPE, causal attention over the packed batch, output projection."""
+    """Fused QKV projection, optional QK-norm, RoPE, causal attention over the packed batch, output
+    projection."""
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int | None = None,
-                 max_position: int = 40_960, rms_norm_eps: float = 1e-6, qkv_bias: bool = False,
-                 o_bias: bool = False, qk_norm: bool = True, rope_theta: float = 1_000_000.0,
-                 rope_scaling: dict | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int | None = None,
+        max_position: int = 40_960,
+        rms_norm_eps: float = 1e-6,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = True,
+        rope_theta: float = 1_000_000.0,
+        rope_scaling: dict | None = None,
+    ) -> None:
         super().__init__()
-        for name, heads in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads)):
+        for name, heads in (
+            ("num_attention_heads", num_heads),
+            ("num_key_value_heads", num_kv_heads),
+        ):
             if heads % tp_size():
-                raise ValueError(f"{name} ({heads}) must be divisible by the tensor-parallel size ({tp_size()})")
+                raise ValueError(
+                    f"{name} ({heads}) must be divisible by the tensor-parallel size ({tp_size()})"
+                )
         self.num_heads, self.num_kv_heads = num_heads // tp_size(), num_kv_heads // tp_size()
         self.head_dim = head_dim or hidden_size // num_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(hidden_size, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.q_size, self.kv_size = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias
+        )
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden_size, bias=o_bias)
-        self.rotary_emb = get_rope(self.head_dim, self.head_dim, max_position, rope_theta, rope_scaling)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.rotary_emb = get_rope(
+            self.head_dim, self.head_dim, max_position, rope_theta, rope_scaling
+        )
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
@@ -60,20 +98,27 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions [N], hidden_states [N, hidden] -> [N, hidden]."""
-        qkv = self.qkv_proj(hidden_states)                                     # [N, (Hq + 2 Hk) D]
+        qkv = self.qkv_proj(hidden_states)  # [N, (Hq + 2 Hk) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)                          # [N, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)                       # [N, Hk, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)                       # [N, Hk, D]
+        q = q.view(-1, self.num_heads, self.head_dim)  # [N, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hk, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hk, D]
         if self.qk_norm and q.is_cuda:
-            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                self.rotary_emb.cos_sin_cache, positions)
+            q, k = qk_norm_rope(
+                q,
+                k,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+                self.rotary_emb.cos_sin_cache,
+                positions,
+            )
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)                                                 # [N, Hq, D]
-        return self.o_proj(o.flatten(1, -1))                                   # [N, hidden]
+        o = self.attn(q, k, v)  # [N, Hq, D]
+        return self.o_proj(o.flatten(1, -1))  # [N, hidden]
 
 
 class Qwen3MLP(nn.Module):
@@ -83,13 +128,15 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False
+        )
         self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, hidden]."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))              # [N, 2I] -> [N, I] -> [N, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [N, 2I] -> [N, I] -> [N, hidden]
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -101,16 +148,25 @@ class Qwen3DecoderLayer(nn.Module):
         bias = True if qwen2 else bool(getattr(config, "attention_bias", False))
         rope_theta, rope_scaling = rope_settings(config)
         self.self_attn = Qwen3Attention(
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None), max_position=config.max_position_embeddings,
-            rms_norm_eps=config.rms_norm_eps, qkv_bias=bias, o_bias=bias and not qwen2, qk_norm=not qwen2,
-            rope_theta=rope_theta, rope_scaling=rope_scaling)
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None),
+            max_position=config.max_position_embeddings,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=bias,
+            o_bias=bias and not qwen2,
+            qk_norm=not qwen2,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+        )
         self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in, (MLP output not yet added, residual) out; all [N, hidden]."""
         if residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
@@ -127,12 +183,14 @@ class Qwen3Model(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [N], positions [N] -> hidden states [N, hidden]."""
-        hidden_states, residual = self.embed_tokens(input_ids), None           # [N, hidden]
+        hidden_states, residual = self.embed_tokens(input_ids), None  # [N, hidden]
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -141,6 +199,7 @@ class Qwen3Model(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     """Qwen3 (and Qwen2) for the engine: `forward` to hidden states, `compute_logits` separately."""
+
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -154,7 +213,9 @@ class Qwen3ForCausalLM(nn.Module):
         if config.model_type not in ("qwen3", "qwen2"):
             raise ValueError(f"model_type must be 'qwen3' or 'qwen2', got {config.model_type!r}")
         if getattr(config, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported (every layer uses full attention here)")
+            raise ValueError(
+                "use_sliding_window=True is not supported (every layer uses full attention here)"
+            )
         self.config = config
         self.model = Qwen3Model(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -170,13 +231,16 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head(hidden_states)
 
     @classmethod
-    def from_pretrained(cls, path, *, dtype: torch.dtype | None = None,
-                        device: str | torch.device = "cpu") -> "Qwen3ForCausalLM":
-        """Build the model of a checkpoint directory in `dtype` (default: the checkpoint's) on `device`, and load it."""
+    def from_pretrained(
+        cls, path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> "Qwen3ForCausalLM":
+        """Build the model of a checkpoint directory in `dtype` (default: the checkpoint's) on
+        `device`, and load it."""
         from transformers import AutoConfig
 
         from nanoengine.config import DTYPES
         from nanoengine.utils.loader import load_model, resolve_model_path
+
         path = resolve_model_path(path)
         config = AutoConfig.from_pretrained(path)
         dtype = dtype or getattr(config, "dtype", None) or torch.float32
@@ -188,6 +252,6 @@ class Qwen3ForCausalLM(nn.Module):
                 model = cls(config)
         finally:
             torch.set_default_dtype(previous)
-        model.to(device)                                   # get_rope's shared table may have been built elsewhere
+        model.to(device)  # get_rope's shared table may have been built elsewhere
         load_model(model, path)
         return model.eval()

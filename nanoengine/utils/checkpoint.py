@@ -17,23 +17,50 @@ from ..config import DTYPES
 from .checks import InvalidTypeError, check_int
 
 PRESETS: dict[str, dict] = {
-    "tiny": dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
-                 initializer_range=0.1, dtype="float32"),
-    "qwen3-0.6b": dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
-                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
-                       initializer_range=0.02, dtype="bfloat16"),
+    "tiny": dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        initializer_range=0.1,
+        dtype="float32",
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151_936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40_960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        initializer_range=0.02,
+        dtype="bfloat16",
+    ),
 }
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
 
 
 def qwen3_config(config: str | dict | PretrainedConfig = "tiny", **overrides) -> PretrainedConfig:
-    """A Qwen3 (or Qwen2) config from a preset name, a dict of fields or a config object; `None` overrides are ignored."""
+    """A Qwen3 (or Qwen2) config from a preset name, a dict of fields or a config object; `None`
+    overrides are ignored."""
     if isinstance(config, str):
         if config not in PRESETS:
-            raise ValueError(f"config preset {config!r} is unknown; choose one of {sorted(PRESETS)}")
+            raise ValueError(
+                f"config preset {config!r} is unknown; choose one of {sorted(PRESETS)}"
+            )
         fields, model_type = dict(PRESETS[config]), "qwen3"
     elif isinstance(config, dict):
         fields = dict(config)
@@ -41,14 +68,18 @@ def qwen3_config(config: str | dict | PretrainedConfig = "tiny", **overrides) ->
     elif isinstance(config, PretrainedConfig):
         fields, model_type = copy.deepcopy(config.to_dict()), config.model_type
     else:
-        raise InvalidTypeError(f"config must be a preset name, a dict or a transformers config, got {config!r}")
+        raise InvalidTypeError(
+            f"config must be a preset name, a dict or a transformers config, got {config!r}"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported; choose one of {SUPPORTED_MODEL_TYPES}")
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; choose one of {SUPPORTED_MODEL_TYPES}"
+        )
     for key in ("model_type", "transformers_version", "architectures", "layer_types"):
         fields.pop(key, None)
     if model_type == "qwen2":
         fields.pop("attention_bias", None)
-        overrides.pop("attention_bias", None)                   # Qwen2 always has q/k/v biases
+        overrides.pop("attention_bias", None)  # Qwen2 always has q/k/v biases
     if "rope_theta" in overrides and overrides["rope_theta"] is not None:
         fields.pop("rope_parameters", None)
     fields.update({k: v for k, v in overrides.items() if v is not None})
@@ -60,17 +91,25 @@ def qwen3_config(config: str | dict | PretrainedConfig = "tiny", **overrides) ->
 
 # %% ../../notebooks/05a_checkpoint.ipynb #7a9722ad
 def parameter_counts(config: PretrainedConfig) -> dict[str, int]:
-    """Parameters of each part of a Qwen3/Qwen2 model, from its config alone (a tied LM head counts zero)."""
+    """Parameters of each part of a Qwen3/Qwen2 model, from its config alone (a tied LM head counts
+    zero)."""
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     qwen2 = config.model_type == "qwen2"
     bias = qwen2 or bool(getattr(config, "attention_bias", False))
-    attention = hidden * (q + 2 * kv) + q * hidden + bias * (q + 2 * kv) + (bias and not qwen2) * hidden
+    attention = (
+        hidden * (q + 2 * kv) + q * hidden + bias * (q + 2 * kv) + (bias and not qwen2) * hidden
+    )
     norms = 2 * hidden + (0 if qwen2 else 2 * head_dim)
     embedding = config.vocab_size * hidden
-    return {"embedding": embedding, "attention": layers * attention, "mlp": layers * 3 * hidden * inter,
-            "norms": layers * norms + hidden, "lm_head": 0 if config.tie_word_embeddings else embedding}
+    return {
+        "embedding": embedding,
+        "attention": layers * attention,
+        "mlp": layers * 3 * hidden * inter,
+        "norms": layers * norms + hidden,
+        "lm_head": 0 if config.tie_word_embeddings else embedding,
+    }
 
 
 def count_parameters(config: PretrainedConfig) -> int:
@@ -78,26 +117,44 @@ def count_parameters(config: PretrainedConfig) -> int:
     return sum(parameter_counts(config).values())
 
 # %% ../../notebooks/05a_checkpoint.ipynb #5b420240
-_CORPUS = """\
-An inference engine turns a trained language model into a service. It accepts many requests at once, keeps the
-keys and values of every token it has seen in a cache on the GPU, and decides at each step which sequences run.
-A prompt is first processed in one forward pass, the prefill, which writes the cache and produces the first token.
-After that, every decode step feeds exactly one new token per sequence and reads the cache of all the earlier ones.
-The cache is cut into blocks of a fixed number of tokens, so that memory is handed out the way an operating system
-hands out pages, and two requests that share a prompt prefix can share the blocks that hold it.
-The scheduler builds each batch: it admits waiting requests while the token budget and the free blocks allow, and
-when memory runs out it preempts the newest running request and puts it back in the queue.
-The model itself is a stack of decoder layers. Each layer normalises its input, mixes information between tokens with
-attention, normalises again, and transforms every token on its own with a gated MLP. The residual stream carries the
-sum of all these contributions from the embedding to the final norm, and the language model head turns the last
-hidden state into one score per token of the vocabulary. Sampling picks the next token from those scores.
-Tensor parallelism splits the weight matrices of each layer between several GPUs, which then add their partial
-results. CUDA graphs record the kernels of a decode step once and replay them, so the CPU does not have to launch
-every kernel again. Chunked prefill splits a long prompt into pieces that fit the token budget of a step.
-The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick daft zebras
-jump! The five boxing wizards jump quickly. Numbers such as 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100, 256 and 1024 appear
-in configs; so do words like hidden, heads, layers, vocabulary, position, theta, epsilon, bias and dtype.
-"""
+_CORPUS = (
+    "An inference engine turns a trained language model into a service. It accepts many "
+    "requests at once, keeps the\n"
+    "keys and values of every token it has seen in a cache on the GPU, and decides at each "
+    "step which sequences run.\n"
+    "A prompt is first processed in one forward pass, the prefill, which writes the cache "
+    "and produces the first token.\n"
+    "After that, every decode step feeds exactly one new token per sequence and reads the "
+    "cache of all the earlier ones.\n"
+    "The cache is cut into blocks of a fixed number of tokens, so that memory is handed "
+    "out the way an operating system\n"
+    "hands out pages, and two requests that share a prompt prefix can share the blocks "
+    "that hold it.\n"
+    "The scheduler builds each batch: it admits waiting requests while the token budget "
+    "and the free blocks allow, and\n"
+    "when memory runs out it preempts the newest running request and puts it back in the "
+    "queue.\n"
+    "The model itself is a stack of decoder layers. Each layer normalises its input, mixes "
+    "information between tokens with\n"
+    "attention, normalises again, and transforms every token on its own with a gated MLP. "
+    "The residual stream carries the\n"
+    "sum of all these contributions from the embedding to the final norm, and the language "
+    "model head turns the last\n"
+    "hidden state into one score per token of the vocabulary. Sampling picks the next "
+    "token from those scores.\n"
+    "Tensor parallelism splits the weight matrices of each layer between several GPUs, "
+    "which then add their partial\n"
+    "results. CUDA graphs record the kernels of a decode step once and replay them, so the "
+    "CPU does not have to launch\n"
+    "every kernel again. Chunked prefill splits a long prompt into pieces that fit the "
+    "token budget of a step.\n"
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "How vexingly quick daft zebras\n"
+    "jump! The five boxing wizards jump quickly. Numbers such as 0, 1, 2, 3, 4, 5, 6, 7, "
+    "8, 9, 10, 100, 256 and 1024 appear\n"
+    "in configs; so do words like hidden, heads, layers, vocabulary, position, theta, "
+    "epsilon, bias and dtype.\n"
+)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB_SIZE = 384
 CHAT_TEMPLATE = (
@@ -109,20 +166,31 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, model_max_length: int = 2048):
-    """A small byte-level BPE tokenizer with Qwen's special tokens and chat format, trained offline and deterministically."""
+    """A small byte-level BPE tokenizer with Qwen's special tokens and chat format, trained offline
+    and deterministically."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     vocab_size = check_int("vocab_size", vocab_size, minimum=256 + len(SPECIAL_TOKENS))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL_TOKENS), min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=list(SPECIAL_TOKENS[1:]), chat_template=CHAT_TEMPLATE,
-                                   model_max_length=model_max_length)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+    )
 
 # %% ../../notebooks/05a_checkpoint.ipynb #a879404f
 @contextmanager
@@ -137,7 +205,8 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def _no_init():
-    """transformers' context manager that skips weight initialisation (its location moved between versions)."""
+    """transformers' context manager that skips weight initialisation (its location moved between
+    versions)."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:
@@ -150,37 +219,59 @@ def _no_init():
 
 @torch.no_grad()
 def randomize_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Seeded N(0, std) matrices and biases, 1 + N(0, 0.1) norm weights; drawn in float32, then cast."""
+    """Seeded N(0, std) matrices and biases, 1 + N(0, 0.1) norm weights; drawn in float32, then
+    cast."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
         param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else std * noise)
 
 
-def write_random_checkpoint(path: str | os.PathLike, config: str | dict | PretrainedConfig = "tiny", *, seed: int = 0,
-                            dtype: str | torch.dtype | None = None, tie_word_embeddings: bool | None = None,
-                            attention_bias: bool | None = None, **overrides) -> Path:
-    """Write a random-weight Qwen3/Qwen2 checkpoint (config, safetensors, generation config, tokenizer) to `path`."""
+def write_random_checkpoint(
+    path: str | os.PathLike,
+    config: str | dict | PretrainedConfig = "tiny",
+    *,
+    seed: int = 0,
+    dtype: str | torch.dtype | None = None,
+    tie_word_embeddings: bool | None = None,
+    attention_bias: bool | None = None,
+    **overrides,
+) -> Path:
+    """Write a random-weight Qwen3/Qwen2 checkpoint (config, safetensors, generation config,
+    tokenizer) to `path`."""
     from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen3ForCausalLM
     from transformers.utils import logging as hf_logging
+
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidTypeError(f"path must be a directory path, got {path!r}")
     path = Path(path).expanduser()
     if path.exists() and not path.is_dir():
         raise OSError(f"path {str(path)!r} exists and is not a directory")
     seed = check_int("seed", seed, minimum=0)
-    config = qwen3_config(config, dtype=dtype, tie_word_embeddings=tie_word_embeddings,
-                          attention_bias=attention_bias, **overrides)
-    config.vocab_size = check_int("vocab_size", config.vocab_size, minimum=256 + len(SPECIAL_TOKENS))
-    tokenizer = build_tokenizer(min(config.vocab_size, TOKENIZER_VOCAB_SIZE), config.max_position_embeddings)
+    config = qwen3_config(
+        config,
+        dtype=dtype,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_bias=attention_bias,
+        **overrides,
+    )
+    config.vocab_size = check_int(
+        "vocab_size", config.vocab_size, minimum=256 + len(SPECIAL_TOKENS)
+    )
+    tokenizer = build_tokenizer(
+        min(config.vocab_size, TOKENIZER_VOCAB_SIZE), config.max_position_embeddings
+    )
     config.bos_token_id = config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
     model_class = {"qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM}[config.model_type]
     with _default_dtype(config.dtype or torch.float32), _no_init():
         model = model_class(config)
     model.tie_weights()
     randomize_weights(model, seed, config.initializer_range)
-    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                                               pad_token_id=config.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -22,17 +22,21 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tik
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     """Copy a whole checkpoint tensor into an unsharded parameter, refusing any shape mismatch."""
     if tuple(param.shape) != tuple(loaded_weight.shape):
-        raise ValueError(f"shape {tuple(loaded_weight.shape)} does not match the parameter's {tuple(param.shape)}")
+        raise ValueError(
+            f"shape {tuple(loaded_weight.shape)} does not match the parameter's "
+            f"{tuple(param.shape)}"
+        )
     param.data.copy_(loaded_weight)
 
 
 def _target(name: str, mapping: dict) -> tuple[str, object]:
-    """Checkpoint tensor name -> (parameter name, shard id or None), matching whole name components."""
+    """Checkpoint tensor name -> (parameter name, shard id or None), matching whole name
+    components."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in mapping:
             fused, shard_id = mapping[part]
-            return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard_id
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard_id
     return name, None
 
 
@@ -46,7 +50,12 @@ def _expected_names(params: dict[str, nn.Parameter], mapping: dict) -> dict[str,
         pieces = pname.split(".")
         for i, piece in enumerate(pieces):
             if piece in parts_of:
-                expected.update({".".join(pieces[:i] + [part] + pieces[i + 1:]): pname for part in parts_of[piece]})
+                expected.update(
+                    {
+                        ".".join(pieces[:i] + [part] + pieces[i + 1 :]): pname
+                        for part in parts_of[piece]
+                    }
+                )
                 break
         else:
             expected[pname] = pname
@@ -58,8 +67,11 @@ def _open_checkpoint(file: Path):
     try:
         return safe_open(file, "pt", "cpu")
     except SafetensorError as e:
-        raise OSError(f"checkpoint file {str(file)!r} is not a readable safetensors file ({e}); it is probably "
-                      "truncated or corrupt: copy or download it again") from None
+        raise OSError(
+            f"checkpoint file {str(file)!r} is not a readable safetensors file ({e}); it is "
+            "probably "
+            "truncated or corrupt: copy or download it again"
+        ) from None
 
 
 def _listing(names) -> str:
@@ -68,15 +80,19 @@ def _listing(names) -> str:
 
 
 def _shape_ok(param_shape: tuple, shape: tuple, tp: int) -> bool:
-    """A whole tensor fits a parameter if the shapes agree, or differ in one dimension by the tensor-parallel factor."""
+    """A whole tensor fits a parameter if the shapes agree, or differ in one dimension by the
+    tensor-parallel factor."""
     if len(shape) != len(param_shape):
         return False
     diffs = [i for i in range(len(shape)) if shape[i] != param_shape[i]]
-    return not diffs or (tp > 1 and len(diffs) == 1 and shape[diffs[0]] == tp * param_shape[diffs[0]])
+    return not diffs or (
+        tp > 1 and len(diffs) == 1 and shape[diffs[0]] == tp * param_shape[diffs[0]]
+    )
 
 
 def load_model(model: nn.Module, path: str | os.PathLike) -> None:
-    """Fill `model` from every *.safetensors file in `path`; check names and shapes first, naming any bad tensor."""
+    """Fill `model` from every *.safetensors file in `path`; check names and shapes first, naming
+    any bad tensor."""
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -91,7 +107,10 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
         with _open_checkpoint(file) as f:
             for name in f.keys():
                 if name in plan:
-                    raise ValueError(f"tensor {name!r} appears in two checkpoint files ({plan[name][0].name}, {file.name})")
+                    raise ValueError(
+                        f"tensor {name!r} appears in two checkpoint files ({plan[name][0].name}, "
+                        f"{file.name})"
+                    )
                 pname, shard_id = _target(name, mapping)
                 if pname in aliases or name.endswith("rotary_emb.inv_freq"):
                     continue
@@ -111,14 +130,20 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
     incomplete = {expected[name] for name in missing}
     for pname, parts in fused_rows.items():
         if pname not in incomplete and sum(s[0] for _, s in parts) != tp * params[pname].shape[0]:
-            bad_shapes.append(f"{' + '.join(f'{n} {s}' for n, s in parts)} do not add up to parameter {pname} "
-                              f"{tuple(params[pname].shape)}")
-    problems = [f"missing tensors: {_listing(missing)}" if missing else "",
-                f"unexpected tensors: {_listing(unexpected)}" if unexpected else "",
-                f"wrong shapes: {'; '.join(bad_shapes)}" if bad_shapes else ""]
+            bad_shapes.append(
+                f"{' + '.join(f'{n} {s}' for n, s in parts)} do not add up to parameter {pname} "
+                f"{tuple(params[pname].shape)}"
+            )
+    problems = [
+        f"missing tensors: {_listing(missing)}" if missing else "",
+        f"unexpected tensors: {_listing(unexpected)}" if unexpected else "",
+        f"wrong shapes: {'; '.join(bad_shapes)}" if bad_shapes else "",
+    ]
     if any(problems):
-        raise ValueError(f"checkpoint {str(path)!r} does not fit {type(model).__name__}: "
-                         + " | ".join(p for p in problems if p))
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not fit {type(model).__name__}: "
+            + " | ".join(p for p in problems if p)
+        )
     with torch.no_grad():
         for file in files:
             with _open_checkpoint(file) as f:
@@ -134,29 +159,43 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
                         else:
                             weight_loader(param, f.get_tensor(name), shard_id)
                     except SafetensorError as e:
-                        raise OSError(f"reading tensor {name!r} from {str(file)!r} failed ({e}); the file is "
-                                      "probably corrupt") from None
+                        raise OSError(
+                            f"reading tensor {name!r} from {str(file)!r} failed ({e}); the file is "
+                            "probably corrupt"
+                        ) from None
                     except (RuntimeError, ValueError) as e:
-                        raise ValueError(f"loading checkpoint tensor {name!r} into {pname!r} failed: {e}") from e
+                        raise ValueError(
+                            f"loading checkpoint tensor {name!r} into {pname!r} failed: {e}"
+                        ) from e
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    """False when offline mode is on or the Hub endpoint does not answer a TCP connect within `timeout` seconds."""
+    """False when offline mode is on or the Hub endpoint does not answer a TCP connect within
+    `timeout` seconds."""
     from huggingface_hub import constants
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in (
+        "1",
+        "ON",
+        "YES",
+        "TRUE",
+    ):
         return False
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return True
     url = urlparse(constants.ENDPOINT)
     try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        socket.create_connection(
+            (url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout
+        ).close()
         return True
     except OSError:
         return False
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local checkpoint directory as it is; otherwise a Hugging Face Hub id, downloaded or taken from the cache."""
+    """A local checkpoint directory as it is; otherwise a Hugging Face Hub id, downloaded or taken
+    from the cache."""
     if not isinstance(model, (str, os.PathLike)):
         raise InvalidTypeError(f"model must be a directory path or a Hub model id, got {model!r}")
     path = Path(model).expanduser()
@@ -166,22 +205,34 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise OSError(f"model path {str(model)!r} is a file, not a checkpoint directory")
-    prefix = f"model {str(model)!r} is neither a local directory nor a model id that could be downloaded from the " \
-             "Hugging Face Hub"
+    prefix = (
+        f"model {str(model)!r} is neither a local directory nor a model id that could be "
+        "downloaded from the "
+        "Hugging Face Hub"
+    )
     if path.is_absolute() or str(model).startswith((".", "~")) or str(model).count("/") > 1:
         raise OSError(f"{prefix} (no such directory, and not a Hub id of the form 'owner/name')")
     offline = not _hub_reachable()
     try:
         from huggingface_hub import snapshot_download
-        local = Path(snapshot_download(str(model), allow_patterns=HUB_PATTERNS, local_files_only=offline,
-                                       etag_timeout=10))
+
+        local = Path(
+            snapshot_download(
+                str(model), allow_patterns=HUB_PATTERNS, local_files_only=offline, etag_timeout=10
+            )
+        )
     except Exception as e:
         if offline:
-            reason = ("the Hub is unreachable or HF_HUB_OFFLINE is set, and the Hugging Face cache has no copy; "
-                      "go online (and unset HF_HUB_OFFLINE) to download it, or pass a local directory")
+            reason = (
+                "the Hub is unreachable or HF_HUB_OFFLINE is set, and the Hugging Face cache has "
+                "no copy; "
+                "go online (and unset HF_HUB_OFFLINE) to download it, or pass a local directory"
+            )
         else:
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise OSError(f"{prefix} ({reason})") from None
     if not (local / "config.json").is_file():
-        raise OSError(f"model {str(model)!r} was downloaded to {str(local)!r} but has no config.json")
+        raise OSError(
+            f"model {str(model)!r} was downloaded to {str(local)!r} but has no config.json"
+        )
     return local
