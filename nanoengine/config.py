@@ -13,23 +13,14 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanoengine.utils.checks import (
-    InvalidTypeError,
-    check_bool,
-    check_float,
-    check_int,
-    check_power_of_two,
+    InvalidTypeError, check_bool, check_float, check_int, check_power_of_two,
 )
 
 ATTENTION_BACKENDS = ("auto", "flash", "torch")
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+    "fp16": torch.float16, "half": torch.float16,
 }
 
 

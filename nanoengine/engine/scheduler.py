@@ -69,12 +69,9 @@ class SchedulerBase:
                 "before scheduling"
             )
         return cls(
-            config.num_kvcache_blocks,
-            config.kvcache_block_size,
-            max_num_seqs=config.max_num_seqs,
+            config.num_kvcache_blocks, config.kvcache_block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            eos_token_ids=eos_token_ids,
+            max_model_len=config.max_model_len, eos_token_ids=eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
         )
 

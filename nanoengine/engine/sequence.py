@@ -22,19 +22,9 @@ class Sequence:
     """One request: its tokens, the four counters, its block table and its sampling parameters."""
 
     __slots__ = (
-        "seq_id",
-        "status",
-        "token_ids",
-        "last_token",
-        "num_tokens",
-        "num_prompt_tokens",
-        "num_cached_tokens",
-        "num_scheduled_tokens",
-        "is_prefill",
-        "block_table",
-        "block_size",
-        "sampling_params",
-        "finish_reason",
+        "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
+        "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table", "block_size",
+        "sampling_params", "finish_reason",
     )
     _ids = count()
 
@@ -119,26 +109,14 @@ class Sequence:
     def __getstate__(self):
         payload = self.token_ids if self.is_prefill else self.last_token
         return (
-            self.seq_id,
-            self.num_tokens,
-            self.num_prompt_tokens,
-            self.num_cached_tokens,
-            self.num_scheduled_tokens,
-            self.block_size,
-            self.block_table,
-            payload,
+            self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+            self.num_scheduled_tokens, self.block_size, self.block_table, payload,
         )
 
     def __setstate__(self, state):
         (
-            self.seq_id,
-            self.num_tokens,
-            self.num_prompt_tokens,
-            self.num_cached_tokens,
-            self.num_scheduled_tokens,
-            self.block_size,
-            self.block_table,
-            payload,
+            self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+            self.num_scheduled_tokens, self.block_size, self.block_table, payload,
         ) = state
         self.is_prefill = isinstance(payload, list)
         self.token_ids = payload if self.is_prefill else []

@@ -68,8 +68,7 @@ class ReplicatedLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(
             check_int("input_size", input_size, minimum=1),
-            check_int("output_size", output_size, minimum=1),
-            bias,
+            check_int("output_size", output_size, minimum=1), bias,
         )
 
     def weight_loader(
@@ -86,9 +85,7 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(
             check_int("input_size", input_size, minimum=1),
-            divide(output_size, tp_size(), "output_size"),
-            bias,
-            tp_dim=0,
+            divide(output_size, tp_size(), "output_size"), bias, tp_dim=0,
         )
 
     def weight_loader(
@@ -138,8 +135,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             )
         offset, size = sum(self.output_sizes[:shard_id]) // self.tp_size, full // self.tp_size
         copy_shard(
-            param.data.narrow(0, offset, size),
-            loaded_weight.narrow(0, self.tp_rank * size, size),
+            param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size),
             f"MergedColumnParallelLinear shard {shard_id}",
         )
 
@@ -177,8 +173,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                 f"got {loaded_weight.size(0)}"
             )
         copy_shard(
-            param.data.narrow(0, offset, size),
-            loaded_weight.narrow(0, self.tp_rank * size, size),
+            param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size),
             f"QKVParallelLinear shard {shard_id!r}",
         )
 
@@ -189,9 +184,7 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(
             divide(input_size, tp_size(), "input_size"),
-            check_int("output_size", output_size, minimum=1),
-            bias,
-            tp_dim=1,
+            check_int("output_size", output_size, minimum=1), bias, tp_dim=1,
         )
 
     def weight_loader(

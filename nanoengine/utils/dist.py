@@ -77,10 +77,7 @@ def _tp_worker(
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
         results.put((rank, True, pickle.dumps(fn(*args))))
@@ -101,8 +98,7 @@ def run_tp_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 6
     results, port = ctx.Queue(), free_port()
     procs = [
         ctx.Process(
-            target=_tp_worker,
-            args=(rank, world_size, port, fn, args, results, timeout),
+            target=_tp_worker, args=(rank, world_size, port, fn, args, results, timeout),
             daemon=True,
         )
         for rank in range(world_size)

@@ -148,15 +148,9 @@ def plan_kv_pool(
     num_tokens = num_blocks * block_size
     kv_bytes = num_tokens * bytes_per_token
     return KVPoolPlan(
-        gpu_bytes=gpu_bytes,
-        weight_bytes=weight_bytes,
-        activation_bytes=activation_bytes,
-        kv_bytes=kv_bytes,
-        headroom_bytes=gpu_bytes - weight_bytes - activation_bytes - kv_bytes,
-        num_blocks=num_blocks,
-        num_tokens=num_tokens,
-        num_max_len_seqs=num_blocks // math.ceil(max_model_len / block_size),
-        block_size=block_size,
-        bytes_per_token=bytes_per_token,
-        max_model_len=max_model_len,
+        gpu_bytes=gpu_bytes, weight_bytes=weight_bytes, activation_bytes=activation_bytes,
+        kv_bytes=kv_bytes, headroom_bytes=gpu_bytes - weight_bytes - activation_bytes - kv_bytes,
+        num_blocks=num_blocks, num_tokens=num_tokens,
+        num_max_len_seqs=num_blocks // math.ceil(max_model_len / block_size), block_size=block_size,
+        bytes_per_token=bytes_per_token, max_model_len=max_model_len,
     )
