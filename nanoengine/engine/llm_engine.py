@@ -75,10 +75,9 @@ class StreamEvent:
     finished: bool
     finish_reason: str | None
 
-
-class LLMEngine:
-    """The engine: validates requests, runs schedule → forward → postprocess steps, returns ordered
-    results."""
+# %% ../../notebooks/10_llm_engine.ipynb #c4e061b1
+class _EngineBase:
+    """The engine's construction and lifecycle: settings, tokenizer, stop ids, runner, scheduler."""
 
     def __init__(
         self,
@@ -144,9 +143,8 @@ class LLMEngine:
         if self.config.num_kvcache_blocks is not None:
             self._check_kv_pool_fits()
         if self.config.tensor_parallel_size > 1:
-            from nanoengine.engine.workers import (
-                start_tensor_parallel,
-            )  # one process per rank: chapter 15
+            # one process per rank: chapter 15
+            from nanoengine.engine.workers import start_tensor_parallel
 
             self.model_runner = start_tensor_parallel(self.config, control_plane)
         else:
@@ -215,6 +213,28 @@ class LLMEngine:
                 "this engine is closed: its KV cache (and worker processes) are "
                 "released; create a new LLM to continue"
             )
+
+    def close(self) -> None:
+        """Abort every request, stop the other ranks, free the KV pool; idempotent."""
+        self.closed = True
+        self._in_flight = self._deferred = None
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            for seq in [*scheduler.waiting, *scheduler.running]:
+                scheduler.abort(seq)
+        if self.model_runner is not None:
+            self.model_runner.close()
+
+    def __enter__(self) -> "LLMEngine":
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+# %% ../../notebooks/10_llm_engine.ipynb #bcf6c6c8
+class _EngineRequests(_EngineBase):
+    """Checking prompts and sampling parameters, and queueing requests."""
 
     def _tokenize(self, i: int, prompt: Prompt) -> list[int]:
         """One prompt as checked token ids."""
@@ -302,23 +322,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def close(self) -> None:
-        """Abort every request, stop the other ranks, free the KV pool; idempotent."""
-        self.closed = True
-        self._in_flight = self._deferred = None
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is not None:
-            for seq in [*scheduler.waiting, *scheduler.running]:
-                scheduler.abort(seq)
-        if self.model_runner is not None:
-            self.model_runner.close()
-
-    def __enter__(self) -> "LLMEngine":
-        self._check_open()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+# %% ../../notebooks/10_llm_engine.ipynb #ec218073
+class _EngineSteps(_EngineRequests):
+    """One step at a time: schedule, launch, complete, with a step planned ahead when possible."""
 
     def step(self) -> list[Sequence]:
         """Complete one step (launching one first if none is in flight); returns finished sequences.
@@ -450,6 +456,10 @@ class LLMEngine:
         self._check_open()
         self._abort_deferred()
         return self.scheduler.is_finished() and self._in_flight is None
+
+# %% ../../notebooks/10_llm_engine.ipynb #502d978c
+class LLMEngine(_EngineSteps):
+
 
     def _decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -625,8 +635,7 @@ def _check_messages(i: int, messages) -> None:
 
 
 class LLM(LLMEngine):
-    """Offline inference with nanoengine: `LLM(model, ...).generate(prompts,
-    SamplingParams(...))`."""
+    """Offline inference: `LLM(model, ...).generate(prompts, SamplingParams(...))`."""
 
 # %% ../../notebooks/10_llm_engine.ipynb #af1a4cda
 def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:
