@@ -459,7 +459,8 @@ class _EngineSteps(_EngineRequests):
 
 # %% ../../notebooks/10_llm_engine.ipynb #502d978c
 class LLMEngine(_EngineSteps):
-
+    """The engine: validates requests, runs schedule → forward → postprocess steps, returns
+    ordered results."""
 
     def _decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:

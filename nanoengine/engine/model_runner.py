@@ -77,10 +77,9 @@ class LaunchedStep:
     host_ids: torch.Tensor | None  # [B] int64 on the host; valid once `ready` has passed
     ready: "torch.cuda.Event | None"  # None when nothing is asynchronous (CPU)
 
-
-class ModelRunner:
-    """One rank's model, KV pool and sampler: turns a scheduled batch into one sampled token per
-    sequence."""
+# %% ../../notebooks/09_model_runner.ipynb #7300eaec
+class _RunnerBase:
+    """The runner's start-up and memory: model, weights, attention backend, KV pool, CUDA graphs."""
 
     def __init__(self, config: Config, rank: int = 0, local_rank: int | None = None):
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
@@ -242,6 +241,29 @@ class ModelRunner:
             )
         return int(budget // block_bytes)
 
+    def close(self) -> None:
+        """Stop the other ranks, then give back every byte: KV pool, graphs, weights; idempotent."""
+        driver, self.driver = self.driver, None
+        if driver is not None:
+            driver.close()
+        if self.closed:
+            return
+        self.closed = True
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+            layer.backend = None
+        self.attention_layers = []
+        self.kv_cache = self.graphs = self.model = self.sampler = self.backend = None
+        self.step.reset()
+        gc.collect()  # the model's modules refer to each other: free them now
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # hand the cached blocks back to the driver
+
+# %% ../../notebooks/09_model_runner.ipynb #ec2fb850
+class _RunnerPacking(_RunnerBase):
+    """Packing scheduled sequences into the step's tensors and its attention layout."""
+
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A CPU list as a tensor on the runner's device (pinned, non-blocking copy on GPU)."""
         if self.device.type == "cuda":
@@ -330,6 +352,11 @@ class ModelRunner:
             device=self.device,
             check=False,
         )
+
+# %% ../../notebooks/09_model_runner.ipynb #5d3d1d94
+class ModelRunner(_RunnerPacking):
+    """One rank's model, KV pool and sampler: turns a scheduled batch into one sampled token per
+    sequence."""
 
     @torch.inference_mode()
     def launch(
@@ -427,22 +454,3 @@ class ModelRunner:
             if method != "run":
                 raise ValueError(f"unknown control message {method!r}")
             self.run(*args)
-
-    def close(self) -> None:
-        """Stop the other ranks, then give back every byte: KV pool, graphs, weights; idempotent."""
-        driver, self.driver = self.driver, None
-        if driver is not None:
-            driver.close()
-        if self.closed:
-            return
-        self.closed = True
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = torch.tensor([])
-            layer.backend = None
-        self.attention_layers = []
-        self.kv_cache = self.graphs = self.model = self.sampler = self.backend = None
-        self.step.reset()
-        gc.collect()  # the model's modules refer to each other: free them now
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()  # hand the cached blocks back to the driver
