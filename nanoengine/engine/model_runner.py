@@ -277,9 +277,8 @@ class _RunnerPacking(_RunnerBase):
         lengths = [len(seq.block_table) for seq in seqs]
         flat = [block for seq in seqs for block in seq.block_table]
         table = torch.full((len(seqs), max(lengths)), -1, dtype=torch.int32)
-        table[torch.arange(table.shape[1]) < torch.tensor(lengths)[:, None]] = torch.tensor(
-            flat, dtype=torch.int32
-        )
+        filled = torch.arange(table.shape[1]) < torch.tensor(lengths)[:, None]
+        table[filled] = torch.tensor(flat, dtype=torch.int32)
         if self.device.type == "cuda":
             return table.pin_memory().to(self.device, non_blocking=True)
         return table

@@ -47,9 +47,8 @@ class SamplingBatch:
     temperatures: torch.Tensor  # [B] float32, 0 = greedy
     top_ks: torch.Tensor  # [B] int64, -1 = off
     top_ps: torch.Tensor  # [B] float32, 1.0 = off
-    seeds: list[
-        int | None
-    ]  # per-row seed for this step (from mix_seed); None = the global generator
+    # per-row seed for this step (from mix_seed); None = the global generator
+    seeds: list[int | None]
     max_top_k: int = 0  # largest top_k in use, 0 when no row uses top-k
     all_greedy: bool = True
     any_greedy: bool = True
