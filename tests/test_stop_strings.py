@@ -1,4 +1,4 @@
-"""Stop strings (chapter 10, section 8): SamplingParams(stop=[...]) in generate and stream, on CPU."""
+"""Stop strings (chapter 10, section 8): SamplingParams(stop=[...]) in generate and stream."""
 import itertools
 import pickle
 import shutil
@@ -54,7 +54,7 @@ def spanning_stop(llm, out, after=4):
 
 
 def check_stopped(llm, plain_out, out, stop):
-    """out stopped at the earliest stop string of `plain_out`'s text, keeping the completing token."""
+    """out stopped at the earliest stop string of plain_out's text, keeping the last token."""
     cut = find_stop(plain_out["text"], tuple(stop))
     assert cut >= 0
     assert out["finish_reason"] == "stop"
@@ -109,7 +109,8 @@ def test_stop_at_the_first_token_and_at_the_last_allowed_token(llm, plain):
     exact = llm.generate(PROMPTS[0], params([stop], max_tokens=n), use_tqdm=False)[0]
     assert exact["finish_reason"] == "stop" and len(exact["token_ids"]) == n  # stop beats length
     short = llm.generate(PROMPTS[0], params([stop], max_tokens=n - 1), use_tqdm=False)[0]
-    assert short["finish_reason"] == "length" and short["token_ids"] == plain[0]["token_ids"][:n - 1]
+    assert short["finish_reason"] == "length"
+    assert short["token_ids"] == plain[0]["token_ids"][:n - 1]
 
 
 def test_stream_never_emits_part_of_a_stop_string(llm, plain):
@@ -193,7 +194,8 @@ def test_sampling_params_stop_validation_and_pickling():
     assert SamplingParams(stop="\n").stop == ("\n",) and SamplingParams().stop == ()
     assert SamplingParams(stop=["a", "b", "a"]).stop == ("a", "b")
     sp = SamplingParams(stop=["User:", "\n\n"])
-    assert pickle.loads(pickle.dumps(sp)) == sp and hash(sp) == hash(SamplingParams(stop=("User:", "\n\n")))
+    assert pickle.loads(pickle.dumps(sp)) == sp
+    assert hash(sp) == hash(SamplingParams(stop=("User:", "\n\n")))
     for bad in ([""], ["a", ""], ["a", 1], 7, {"a"}, b"ab"):
         with pytest.raises(ValueError, match="stop"):
             SamplingParams(stop=bad)
@@ -225,3 +227,25 @@ def test_stop_checker_reads_multibyte_text_token_by_token(llm):
                 break
         assert hit is not None and stop[0] in tok.decode(phrase[:hit])
         assert stop[0] not in tok.decode(phrase[:hit - 1])
+
+
+def test_stop_strings_through_chunking_preemption_and_prefix_hits(ckpt, llm):
+    """A small pool and budget: the same stopped outputs as a roomy engine, and every block back."""
+    system = "You are a helpful assistant. Answer in one short sentence. "
+    prompts = [system + q for q in ("Why page the KV cache?", "What is a prefix cache?",
+                                    "Why batch requests?", "What is a token?")]
+    plain = llm.generate(prompts, params(max_tokens=40), use_tqdm=False)
+    stops = [[spanning_stop(llm, o, after=k)] for o, k in zip(plain, (12, 20, 26, 30))]
+    roomy = llm.generate(prompts, [params(s, max_tokens=40) for s in stops], use_tqdm=False)
+    tight = LLM(ckpt, device="cpu", kvcache_block_size=16, num_kvcache_blocks=8,
+                max_num_batched_tokens=32, max_model_len=256)
+    out = tight.generate(prompts, [params(s, max_tokens=40) for s in stops], use_tqdm=False)
+    assert out == roomy
+    for o, p, s in zip(out, plain, stops):
+        check_stopped(tight, p, o, s)
+    trace = list(tight.trace)
+    assert sum(r.num_preempted for r in trace) > 0 and any(r.is_prefill and r.num_tokens == 32
+                                                          for r in trace)
+    assert tight.scheduler.block_manager.num_hit_blocks > 0
+    bm = tight.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not tight._stop_checkers
