@@ -7,7 +7,6 @@ __all__ = ['SAMPLING_FIELDS', 'COMMON_FIELDS', 'COMPLETION_FIELDS', 'CHAT_FIELDS
            'response', 'usage']
 
 # %% ../notebooks/16a_openai_protocol.ipynb #7d646506
-import time
 import uuid
 from dataclasses import dataclass
 
