@@ -52,12 +52,10 @@ class SamplingParams:
             raise ValueError("top_k must be -1 (off) or >= 1, got 0")
         seed = self.seed if self.seed is None else check_int("seed", self.seed, 0, 2**63 - 1)
         checked = dict(
-            temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
-            top_k=top_k,
+            temperature=0.0 if temperature < MIN_TEMPERATURE else temperature, top_k=top_k,
             top_p=check_float("top_p", self.top_p, 0.0, 1.0, low_open=True),
             max_tokens=check_int("max_tokens", self.max_tokens, minimum=1),
-            ignore_eos=check_bool("ignore_eos", self.ignore_eos),
-            seed=seed,
+            ignore_eos=check_bool("ignore_eos", self.ignore_eos), seed=seed,
             stop=check_stop(self.stop),
         )
         for name, value in checked.items():

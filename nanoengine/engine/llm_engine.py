@@ -29,19 +29,9 @@ from ..utils.loader import resolve_model_path
 
 Prompt = str | list[int]
 ENGINE_ARGUMENTS = (
-    "device",
-    "dtype",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "max_model_len",
-    "gpu_memory_utilization",
-    "num_kvcache_blocks",
-    "kvcache_block_size",
-    "tensor_parallel_size",
-    "enforce_eager",
-    "enable_prefix_caching",
-    "attention_backend",
-    "control_plane",
+    "device", "dtype", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+    "gpu_memory_utilization", "num_kvcache_blocks", "kvcache_block_size", "tensor_parallel_size",
+    "enforce_eager", "enable_prefix_caching", "attention_backend", "control_plane",
     "async_scheduling",
 )
 CONTROL_PLANES = ("shm", "dist", "pipe")
@@ -80,24 +70,12 @@ class _EngineBase:
     """The engine's construction and lifecycle: settings, tokenizer, stop ids, runner, scheduler."""
 
     def __init__(
-        self,
-        model: str | os.PathLike,
-        *,
-        device=None,
-        dtype=None,
-        max_num_batched_tokens: int = 16384,
-        max_num_seqs: int = 512,
-        max_model_len: int = 4096,
-        gpu_memory_utilization: float = 0.9,
-        num_kvcache_blocks: int | None = None,
-        kvcache_block_size: int = 256,
-        tensor_parallel_size: int = 1,
-        enforce_eager: bool = False,
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
-        control_plane: str = "shm",
-        async_scheduling: bool = True,
-        **unknown,
+        self, model: str | os.PathLike, *, device=None, dtype=None,
+        max_num_batched_tokens: int = 16384, max_num_seqs: int = 512, max_model_len: int = 4096,
+        gpu_memory_utilization: float = 0.9, num_kvcache_blocks: int | None = None,
+        kvcache_block_size: int = 256, tensor_parallel_size: int = 1, enforce_eager: bool = False,
+        enable_prefix_caching: bool = True, attention_backend: str = "auto",
+        control_plane: str = "shm", async_scheduling: bool = True, **unknown,
     ):
         self.model_runner = None
         self.closed = False
@@ -123,19 +101,12 @@ class _EngineBase:
             )
         path = resolve_model_path(model)
         self.config = Config(
-            path,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            num_kvcache_blocks=num_kvcache_blocks,
-            kvcache_block_size=kvcache_block_size,
-            tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend,
-            device=device,
-            dtype=dtype,
+            path, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            num_kvcache_blocks=num_kvcache_blocks, kvcache_block_size=kvcache_block_size,
+            tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
+            device=device, dtype=dtype,
         )
         self.vocab_size = self.config.hf_config.vocab_size
         self.tokenizer = self._load_tokenizer(path)
@@ -202,8 +173,7 @@ class _EngineBase:
         ranks_here = cfg.tensor_parallel_size if cfg.device.type == "cpu" else 1  # they share RAM
         check_fits_in_memory(
             f"num_kvcache_blocks={cfg.num_kvcache_blocks} (the KV cache)",
-            cfg.num_kvcache_blocks * kv_block_bytes(cfg) * ranks_here,
-            cfg.device,
+            cfg.num_kvcache_blocks * kv_block_bytes(cfg) * ranks_here, cfg.device,
             "lower num_kvcache_blocks, or leave it None to size the pool from free memory",
         )
 
@@ -369,16 +339,9 @@ class _EngineSteps(_EngineRequests):
         bm = self.scheduler.block_manager
         self.trace.append(
             StepRecord(
-                batch.step,
-                batch.is_prefill,
-                batch.num_batched_tokens,
-                len(batch.seqs),
-                len(batch.preempted),
-                bm.num_blocks - bm.num_free_blocks,
-                len(bm.hash_to_block_id),
-                len(self.scheduler.waiting),
-                len(self.scheduler.running),
-                perf_counter() - t0,
+                batch.step, batch.is_prefill, batch.num_batched_tokens, len(batch.seqs),
+                len(batch.preempted), bm.num_blocks - bm.num_free_blocks, len(bm.hash_to_block_id),
+                len(self.scheduler.waiting), len(self.scheduler.running), perf_counter() - t0,
                 batch.source_rows is not None,
             )
         )
@@ -480,10 +443,8 @@ class LLMEngine(_EngineSteps):
         """text, token_ids (every token generated, the one that completed a stop string
         included)."""
         return {
-            "text": self._text(seq),
-            "token_ids": seq.completion_token_ids,
-            "finish_reason": seq.finish_reason,
-            "prompt_token_ids": seq.prompt_token_ids,
+            "text": self._text(seq), "token_ids": seq.completion_token_ids,
+            "finish_reason": seq.finish_reason, "prompt_token_ids": seq.prompt_token_ids,
         }
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
@@ -498,9 +459,7 @@ class LLMEngine(_EngineSteps):
             self._release(seqs)
 
     def generate(
-        self,
-        prompts,
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict]:
         """Complete every prompt; one dict per prompt, in input order, with "text" and
@@ -566,17 +525,12 @@ class LLMEngine(_EngineSteps):
             new_text = None if text is None else text[len(text_sent) :]
             sent[i] = [n, text if text is not None else "", seq.is_finished]
             yield StreamEvent(
-                i,
-                seq.completion_token_ids[num_sent:n],
-                new_text,
-                seq.is_finished,
+                i, seq.completion_token_ids[num_sent:n], new_text, seq.is_finished,
                 seq.finish_reason,
             )
 
     def chat(
-        self,
-        conversations,
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict]:
         """Generate replies to chat conversations (lists of {"role", "content"} messages) via the

@@ -121,10 +121,7 @@ class _RunnerBase:
             else {}
         )  # per shape: cuBLAS or the Triton kernel (chapter 11a)
         self.backend = get_attention_backend(
-            self._backend_name(),
-            device=self.device,
-            block_size=self.block_size,
-            dtype=self.dtype,
+            self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
             shape=(first.num_heads, first.num_kv_heads, first.head_dim),
         )
         self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
@@ -132,14 +129,9 @@ class _RunnerBase:
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = CUDAGraphDecoder(
-                self.model,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=config.max_model_len,
-                block_size=self.block_size,
-                hidden_size=config.hf_config.hidden_size,
-                dtype=self.dtype,
-                device=self.device,
-                step_context=self.step,
+                self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                block_size=self.block_size, hidden_size=config.hf_config.hidden_size,
+                dtype=self.dtype, device=self.device, step_context=self.step,
             )
 
     def _backend_name(self) -> str:
@@ -178,24 +170,15 @@ class _RunnerBase:
         # every rank: the same block ids
         num_blocks = min_over_ranks(self.local_num_kvcache_blocks, self.device)
         num_kv_heads, head_dim = (
-            self.attention_layers[0].num_kv_heads,
-            self.attention_layers[0].head_dim,
+            self.attention_layers[0].num_kv_heads, self.attention_layers[0].head_dim,
         )
         self.kv_cache = torch.zeros(
-            2,
-            len(self.attention_layers),
-            num_blocks,
-            self.block_size,
-            num_kv_heads,
-            head_dim,
-            dtype=self.dtype,
-            device=self.device,
+            2, len(self.attention_layers), num_blocks, self.block_size, num_kv_heads, head_dim,
+            dtype=self.dtype, device=self.device,
         )  # [K/V, layer, block, slot, head, dim]
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache, layer.backend = (
-                self.kv_cache[0, i],
-                self.kv_cache[1, i],
-                self.backend,
+                self.kv_cache[0, i], self.kv_cache[1, i], self.backend,
             )
         return num_blocks
 
@@ -306,12 +289,9 @@ class _RunnerPacking(_RunnerBase):
                 slot_mapping += [-1] * (end - start)
         has_cached_keys = cu_seqlens_k[-1] > cu_seqlens_q[-1]
         self.step.set(
-            is_prefill=True,
-            cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
-            cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            slot_mapping=self._tensor(slot_mapping, torch.int32),
+            is_prefill=True, cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
+            cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32), max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, slot_mapping=self._tensor(slot_mapping, torch.int32),
             block_tables=self._block_tables(seqs) if has_cached_keys else None,
         )
         # [N], [N]
@@ -322,22 +302,17 @@ class _RunnerPacking(_RunnerBase):
         b, width = self.block_size, max(len(seq.block_table) for seq in seqs)
         rows = [
             [
-                seq.last_token,
-                seq.num_tokens - 1,
-                seq.block_table[-1] * b + (seq.num_tokens - 1) % b,
-                seq.num_tokens,
-                *seq.block_table,
-                *[-1] * (width - len(seq.block_table)),
+                seq.last_token, seq.num_tokens - 1,
+                seq.block_table[-1] * b + (seq.num_tokens - 1) % b, seq.num_tokens,
+                *seq.block_table, *[-1] * (width - len(seq.block_table)),
             ]
             for seq in seqs
         ]
         # [B, 4 + max_blocks]: one host-to-device copy per step
         packed = self._tensor(rows, torch.int64)
         self.step.set(
-            is_prefill=False,
-            slot_mapping=packed[:, 2].contiguous(),
-            max_seqlen_k=max(r[3] for r in rows),
-            context_lens=packed[:, 3].to(torch.int32),
+            is_prefill=False, slot_mapping=packed[:, 2].contiguous(),
+            max_seqlen_k=max(r[3] for r in rows), context_lens=packed[:, 3].to(torch.int32),
             block_tables=packed[:, 4:].to(torch.int32),
         )
         return packed[:, 0].contiguous(), packed[:, 1].contiguous()  # input_ids [B], positions [B]
@@ -346,10 +321,8 @@ class _RunnerPacking(_RunnerBase):
         """Each sequence's sampling settings; a row samples the token at index num_tokens of its
         sequence."""
         return SamplingBatch.from_params(
-            [seq.sampling_params for seq in seqs],
-            [seq.num_tokens for seq in seqs],
-            device=self.device,
-            check=False,
+            [seq.sampling_params for seq in seqs], [seq.num_tokens for seq in seqs],
+            device=self.device, check=False,
         )
 
 # %% ../../notebooks/09_model_runner.ipynb #5d3d1d94
@@ -359,11 +332,7 @@ class ModelRunner(_RunnerPacking):
 
     @torch.inference_mode()
     def launch(
-        self,
-        seqs: list[Sequence],
-        is_prefill: bool,
-        *,
-        after: LaunchedStep | None = None,
+        self, seqs: list[Sequence], is_prefill: bool, *, after: LaunchedStep | None = None,
         source_rows: list[int] | None = None,
     ) -> LaunchedStep:
         """Queue one step (forward pass and sampling) on every rank without waiting for its tokens.
@@ -403,11 +372,7 @@ class ModelRunner(_RunnerPacking):
             if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
                 ctx = self.step.current
                 hidden = self.graphs.replay(
-                    input_ids,
-                    positions,
-                    ctx.slot_mapping,
-                    ctx.context_lens,
-                    ctx.block_tables,
+                    input_ids, positions, ctx.slot_mapping, ctx.context_lens, ctx.block_tables,
                     ctx.max_seqlen_k,
                 )  # [num_seqs, hidden]
             else:

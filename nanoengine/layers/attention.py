@@ -11,12 +11,8 @@ from ..utils.context import DEFAULT_STEP
 
 
 def varlen_causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """Causal attention of each packed sequence over its own keys, bottom-right aligned; float32
     math, GQA."""
@@ -49,10 +45,7 @@ class Attention(nn.Module):
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = (
-            num_heads,
-            head_dim,
-            scale,
-            num_kv_heads,
+            num_heads, head_dim, scale, num_kv_heads,
         )
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = None

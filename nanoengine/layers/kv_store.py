@@ -16,15 +16,8 @@ if triton is not None:
 
     @triton.jit
     def _store_kv_kernel(
-        key_ptr,
-        key_stride,
-        value_ptr,
-        value_stride,
-        k_cache_ptr,
-        v_cache_ptr,
-        slot_ptr,
-        D: tl.constexpr,
-        BLOCK: tl.constexpr,
+        key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_ptr,
+        D: tl.constexpr, BLOCK: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         # 64-bit offsets: big pools pass 2**31 elements
@@ -40,10 +33,7 @@ if triton is not None:
 
 
 def check_kv_layout(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Raise ValueError unless the tensors have the layout the store expects."""
@@ -91,10 +81,7 @@ def check_kv_layout(
 
 
 def store_kv_torch(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write each token's K/V rows at its slot, skipping negative slots such as -1 (vectorised
@@ -106,10 +93,7 @@ def store_kv_torch(
 
 
 def store_kv_triton(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write each token's K/V rows at its slot, skipping negative slots (Triton kernel, one program
@@ -119,26 +103,14 @@ def store_kv_triton(
     num_tokens, num_heads, head_dim = key.shape
     width = num_heads * head_dim
     _store_kv_kernel[(num_tokens,)](
-        key,
-        key.stride(0),
-        value,
-        value.stride(0),
-        k_cache,
-        v_cache,
-        slot_mapping,
-        D=width,
+        key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping, D=width,
         BLOCK=triton.next_power_of_2(width),
     )
 
 
 def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
-    check: bool = True,
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, *, check: bool = True,
 ) -> None:
     """Store a step's K/V into the paged cache: the Triton kernel on CUDA, PyTorch elsewhere."""
     if check:

@@ -36,14 +36,8 @@ class AttentionBackend:
     name = "base"
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        ctx: Context,
-        scale: float,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, ctx: Context, scale: float,
     ) -> torch.Tensor:
         """q [N, Hq, D], k and v [N, Hk, D], caches [num_blocks, block_size, Hk, D] -> [N, Hq,
         D]."""
@@ -67,24 +61,14 @@ class AttentionBackend:
         return self.decode(q, k_cache, v_cache, ctx, scale)
 
     def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        ctx: Context,
-        scale: float,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, ctx: Context, scale: float,
     ) -> torch.Tensor:
         """Attention of a prefill step whose K/V are already stored: [Nq, Hq, D]."""
         raise NotImplementedError
 
     def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        ctx: Context,
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
         scale: float,
     ) -> torch.Tensor:
         """Attention of a decode step, one query per sequence over the cache: [B, Hq, D]."""
@@ -161,16 +145,9 @@ class FlashBackend(AttentionBackend):
         if ctx.block_tables is not None:
             k, v = k_cache, v_cache  # the whole pool, read through block_table
         return self._varlen(
-            q,
-            k,
-            v,
-            cu_seqlens_q=ctx.cu_seqlens_q,
-            cu_seqlens_k=ctx.cu_seqlens_k,
-            max_seqlen_q=ctx.max_seqlen_q,
-            max_seqlen_k=ctx.max_seqlen_k,
-            softmax_scale=scale,
-            causal=True,
-            block_table=ctx.block_tables,
+            q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
+            max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k, softmax_scale=scale,
+            causal=True, block_table=ctx.block_tables,
         )
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
@@ -179,14 +156,8 @@ class FlashBackend(AttentionBackend):
         # 0: flash-attn's heuristic
         num_splits = 1 if 0 < ctx.max_seqlen_k <= FLASH_ONE_SPLIT_MAX_KEYS else 0
         out = self._with_kvcache(
-            q.unsqueeze(1),
-            k_cache,
-            v_cache,
-            cache_seqlens=ctx.context_lens,
-            block_table=ctx.block_tables,
-            softmax_scale=scale,
-            causal=True,
-            num_splits=num_splits,
+            q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
+            block_table=ctx.block_tables, softmax_scale=scale, causal=True, num_splits=num_splits,
         )  # [B, 1, Hq, D]
         return out.squeeze(1)  # [B, Hq, D]
 
@@ -223,41 +194,23 @@ def _probe_steps(block_size: int, device: torch.device) -> list[Context]:
 
     b = block_size
     fresh = Context(
-        is_prefill=True,
-        cu_seqlens_q=t([0, 4, 7]),
-        cu_seqlens_k=t([0, 4, 7]),
-        max_seqlen_q=4,
-        max_seqlen_k=4,
-        slot_mapping=t([-1] * 7),
+        is_prefill=True, cu_seqlens_q=t([0, 4, 7]), cu_seqlens_k=t([0, 4, 7]), max_seqlen_q=4,
+        max_seqlen_k=4, slot_mapping=t([-1] * 7),
     )
     cached = Context(
-        is_prefill=True,
-        cu_seqlens_q=t([0, 3]),
-        cu_seqlens_k=t([0, 5]),
-        max_seqlen_q=3,
-        max_seqlen_k=5,
-        slot_mapping=t([b + 2, b + 3, b + 4]),
-        block_tables=t([[1]]),
+        is_prefill=True, cu_seqlens_q=t([0, 3]), cu_seqlens_k=t([0, 5]), max_seqlen_q=3,
+        max_seqlen_k=5, slot_mapping=t([b + 2, b + 3, b + 4]), block_tables=t([[1]]),
     )
     decode = Context(
-        slot_mapping=t([b + 5, 2 * b]),
-        max_seqlen_k=6,
-        context_lens=t([6, 1]),
+        slot_mapping=t([b + 5, 2 * b]), max_seqlen_k=6, context_lens=t([6, 1]),
         block_tables=t([[1], [2]]),
     )
     return [fresh, cached, decode]
 
 
 def flash_probe(
-    backend: AttentionBackend,
-    *,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: str | torch.device,
-    block_size: int,
-    atol: float = 3e-2,
+    backend: AttentionBackend, *, num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: str | torch.device, block_size: int, atol: float = 3e-2,
 ) -> str | None:
     """Why `backend` disagrees with TorchBackend on three miniature steps of this shape, or None."""
     device = torch.device(device)
@@ -267,14 +220,12 @@ def flash_probe(
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
     caches = (
-        rand(3, block_size, num_kv_heads, head_dim),
-        rand(3, block_size, num_kv_heads, head_dim),
+        rand(3, block_size, num_kv_heads, head_dim), rand(3, block_size, num_kv_heads, head_dim),
     )
     for ctx in _probe_steps(block_size, device):
         n = len(ctx.slot_mapping)
         q, k, v = (
-            rand(n, num_heads, head_dim),
-            rand(n, num_kv_heads, head_dim),
+            rand(n, num_heads, head_dim), rand(n, num_kv_heads, head_dim),
             rand(n, num_kv_heads, head_dim),
         )
         kind = "prefill" if ctx.is_prefill else "decode"
@@ -294,12 +245,8 @@ def flash_probe(
 
 # %% ../../notebooks/08_paged_attention.ipynb #f26462eb
 def get_attention_backend(
-    name: str = "auto",
-    *,
-    device: str | torch.device,
-    block_size: int,
-    shape: tuple[int, int, int] | None = None,
-    dtype: torch.dtype | None = None,
+    name: str = "auto", *, device: str | torch.device, block_size: int,
+    shape: tuple[int, int, int] | None = None, dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The attention backend `name` for this device and block size; "auto" prefers FlashAttention.
 
@@ -321,13 +268,8 @@ def get_attention_backend(
     if reason is None and shape is not None:
         num_heads, num_kv_heads, head_dim = shape
         wrong = flash_probe(
-            FlashBackend(),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            dtype=dtype or torch.bfloat16,
-            device=device,
-            block_size=block_size,
+            FlashBackend(), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            dtype=dtype or torch.bfloat16, device=device, block_size=block_size,
         )
         if wrong is not None:
             probe_failed = True

@@ -63,12 +63,8 @@ class SamplingBatch:
 
     @classmethod
     def from_params(
-        cls,
-        params: list[SamplingParams],
-        positions: list[int],
-        device: torch.device | str = "cpu",
-        *,
-        check: bool = True,
+        cls, params: list[SamplingParams], positions: list[int], device: torch.device | str = "cpu",
+        *, check: bool = True,
     ) -> "SamplingBatch":
         """Build the batch; `positions[i]` is the index in its sequence of the token row i samples.
 
@@ -102,14 +98,10 @@ class SamplingBatch:
         floats = _to_device([temperatures, top_ps], torch.float32, device)
         any_top_k = any(k > 0 for k in top_ks)
         return cls(
-            temperatures=floats[0],
-            top_ks=_to_device(top_ks, torch.int64, device),
-            top_ps=floats[1],
-            seeds=seeds,
-            max_top_k=max(top_ks) if any_top_k else 0,
+            temperatures=floats[0], top_ks=_to_device(top_ks, torch.int64, device),
+            top_ps=floats[1], seeds=seeds, max_top_k=max(top_ks) if any_top_k else 0,
             all_greedy=not any(t > 0 for t in temperatures),
-            any_greedy=not all(t > 0 for t in temperatures),
-            any_top_k=any_top_k,
+            any_greedy=not all(t > 0 for t in temperatures), any_top_k=any_top_k,
             any_top_p=any(p < 1.0 for p in top_ps),
             any_seeded=any(seed is not None for seed in seeds),
         )

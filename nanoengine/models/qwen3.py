@@ -12,9 +12,7 @@ from ..layers.attention import Attention
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ..layers.layernorm import RMSNorm, rms_norm
 from nanoengine.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
+    MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
 )
 from ..layers.rotary_embedding import apply_rotary_emb, get_rope
 from ..utils.compile import maybe_compile
@@ -33,13 +31,8 @@ def rope_settings(config) -> tuple[float, dict | None]:
 
 @maybe_compile
 def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """QK-norm, then RoPE, of q [N, Hq, D] and k [N, Hk, D] as one compiled region (GPU: a kernel
     per tensor)."""
@@ -55,23 +48,14 @@ class Qwen3Attention(nn.Module):
     projection."""
 
     def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int | None = None,
-        max_position: int = 40_960,
-        rms_norm_eps: float = 1e-6,
-        qkv_bias: bool = False,
-        o_bias: bool = False,
-        qk_norm: bool = True,
-        rope_theta: float = 1_000_000.0,
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int | None = None,
+        max_position: int = 40_960, rms_norm_eps: float = 1e-6, qkv_bias: bool = False,
+        o_bias: bool = False, qk_norm: bool = True, rope_theta: float = 1_000_000.0,
         rope_scaling: dict | None = None,
     ) -> None:
         super().__init__()
         for name, heads in (
-            ("num_attention_heads", num_heads),
-            ("num_key_value_heads", num_kv_heads),
+            ("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
         ):
             if heads % tp_size():
                 raise ValueError(
@@ -80,8 +64,7 @@ class Qwen3Attention(nn.Module):
         self.num_heads, self.num_kv_heads = num_heads // tp_size(), num_kv_heads // tp_size()
         self.head_dim = head_dim or hidden_size // num_heads
         self.q_size, self.kv_size = (
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
+            self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
         )
         self.qkv_proj = QKVParallelLinear(
             hidden_size, self.head_dim, num_heads, num_kv_heads, bias=qkv_bias
@@ -105,13 +88,8 @@ class Qwen3Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hk, D]
         if self.qk_norm and q.is_cuda:
             q, k = qk_norm_rope(
-                q,
-                k,
-                self.q_norm.weight,
-                self.k_norm.weight,
-                self.q_norm.eps,
-                self.rotary_emb.cos_sin_cache,
-                positions,
+                q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                self.rotary_emb.cos_sin_cache, positions,
             )
         else:
             if self.qk_norm:
@@ -148,17 +126,10 @@ class Qwen3DecoderLayer(nn.Module):
         bias = True if qwen2 else bool(getattr(config, "attention_bias", False))
         rope_theta, rope_scaling = rope_settings(config)
         self.self_attn = Qwen3Attention(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None),
-            max_position=config.max_position_embeddings,
-            rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=bias,
-            o_bias=bias and not qwen2,
-            qk_norm=not qwen2,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None), max_position=config.max_position_embeddings,
+            rms_norm_eps=config.rms_norm_eps, qkv_bias=bias, o_bias=bias and not qwen2,
+            qk_norm=not qwen2, rope_theta=rope_theta, rope_scaling=rope_scaling,
         )
         self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -201,11 +172,8 @@ class Qwen3ForCausalLM(nn.Module):
     """Qwen3 (and Qwen2) for the engine: `forward` to hidden states, `compute_logits` separately."""
 
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, config) -> None:

@@ -18,36 +18,16 @@ from .checks import InvalidTypeError, check_int
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        initializer_range=0.1,
-        dtype="float32",
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+        initializer_range=0.1, dtype="float32",
     ),
     "qwen3-0.6b": dict(
-        vocab_size=151_936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40_960,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        initializer_range=0.02,
-        dtype="bfloat16",
+        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+        initializer_range=0.02, dtype="bfloat16",
     ),
 }
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
@@ -104,11 +84,8 @@ def parameter_counts(config: PretrainedConfig) -> dict[str, int]:
     norms = 2 * hidden + (0 if qwen2 else 2 * head_dim)
     embedding = config.vocab_size * hidden
     return {
-        "embedding": embedding,
-        "attention": layers * attention,
-        "mlp": layers * 3 * hidden * inter,
-        "norms": layers * norms + hidden,
-        "lm_head": 0 if config.tie_word_embeddings else embedding,
+        "embedding": embedding, "attention": layers * attention, "mlp": layers * 3 * hidden * inter,
+        "norms": layers * norms + hidden, "lm_head": 0 if config.tie_word_embeddings else embedding,
     }
 
 
@@ -176,19 +153,14 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, model_max_length: in
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
-        min_frequency=2,
-        show_progress=False,
+        vocab_size=vocab_size - len(SPECIAL_TOKENS), min_frequency=2, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
-        chat_template=CHAT_TEMPLATE,
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]), chat_template=CHAT_TEMPLATE,
         model_max_length=model_max_length,
     )
 
@@ -228,14 +200,9 @@ def randomize_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) 
 
 
 def write_random_checkpoint(
-    path: str | os.PathLike,
-    config: str | dict | PretrainedConfig = "tiny",
-    *,
-    seed: int = 0,
-    dtype: str | torch.dtype | None = None,
-    tie_word_embeddings: bool | None = None,
-    attention_bias: bool | None = None,
-    **overrides,
+    path: str | os.PathLike, config: str | dict | PretrainedConfig = "tiny", *, seed: int = 0,
+    dtype: str | torch.dtype | None = None, tie_word_embeddings: bool | None = None,
+    attention_bias: bool | None = None, **overrides,
 ) -> Path:
     """Write a random-weight Qwen3/Qwen2 checkpoint (config, safetensors, generation config,
     tokenizer) to `path`."""
@@ -249,10 +216,7 @@ def write_random_checkpoint(
         raise OSError(f"path {str(path)!r} exists and is not a directory")
     seed = check_int("seed", seed, minimum=0)
     config = qwen3_config(
-        config,
-        dtype=dtype,
-        tie_word_embeddings=tie_word_embeddings,
-        attention_bias=attention_bias,
+        config, dtype=dtype, tie_word_embeddings=tie_word_embeddings, attention_bias=attention_bias,
         **overrides,
     )
     config.vocab_size = check_int(
@@ -268,8 +232,7 @@ def write_random_checkpoint(
     model.tie_weights()
     randomize_weights(model, seed, config.initializer_range)
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
     bars_were_on = hf_logging.is_progress_bar_enabled()

@@ -175,10 +175,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in (
-        "1",
-        "ON",
-        "YES",
-        "TRUE",
+        "1", "ON", "YES", "TRUE",
     ):
         return False
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
