@@ -143,11 +143,17 @@ def test_stop_strings_cut_the_text_and_never_stream_a_partial_stop(client, llm):
     stop = full[cut:cut + 3]
     kwargs = dict(model=MODEL, prompt="Hello, my name is", max_tokens=40, temperature=0, stop=[stop, "never"],
                   extra_body={"ignore_eos": True})
-    whole = client.completions.create(**kwargs).choices[0]
-    assert (whole.text, whole.finish_reason) == (full[:cut], "stop")
-    chunks = list(client.completions.create(**kwargs, stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == full[:cut]
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    expected = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                                 stop=[stop, "never"]), use_tqdm=False)[0]
+    assert (expected["text"], expected["finish_reason"]) == (full[:cut], "stop")
+    whole = client.completions.create(**kwargs)
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (expected["text"], "stop")
+    assert whole.usage.completion_tokens == len(expected["token_ids"])  # the token that completed the stop too
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(expected["token_ids"])
+    assert not any(stop in c.choices[0].text for c in chunks if c.choices)
 
 
 def test_n_and_seeded_sampling(client):

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.engine.llm_engine import StopChecker, find_stop, held_back
+from nanoengine.engine.llm_engine import IncrementalText, find_stop, held_back
 from nanoengine.utils.checkpoint import write_random_checkpoint
 
 ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
@@ -211,14 +211,14 @@ def test_helpers():
     assert held_back("xaa", ("ab",)) == 1 and held_back("aab", ("aab!",)) == 3
 
 
-def test_stop_checker_reads_multibyte_text_token_by_token(llm):
+def test_incremental_text_reads_multibyte_text_token_by_token(llm):
     tok = llm.tokenizer
     phrase = tok.encode("naïve café ☃ snowman: done")
     from nanoengine.engine.sequence import Sequence
     for stop in (("☃ snow",), ("é ☃",), ("done",)):
         seq = Sequence([1] + phrase[:1], block_size=16)
         seq.num_prompt_tokens = 1
-        checker = StopChecker(tok, stop)
+        checker = IncrementalText(tok, stop)
         hit = None
         for n in range(1, len(phrase) + 1):
             seq.token_ids, seq.num_tokens = [1] + phrase[:n], 1 + n

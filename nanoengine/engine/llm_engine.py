@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['Prompt', 'ENGINE_ARGUMENTS', 'CONTROL_PLANES', 'TOKENIZER_FILES', 'StepRecord', 'StreamEvent', 'LLMEngine', 'LLM',
-           'find_stop', 'held_back', 'StopChecker']
+           'find_stop', 'held_back', 'IncrementalText']
 
 # %% ../../notebooks/10_llm_engine.ipynb #777fa51e
 import difflib
@@ -82,7 +82,7 @@ class _EngineBase:
         self._in_flight: tuple[ScheduledBatch, LaunchedStep] | None = None
         self._busy = False  # inside step() or drain(): dropped streams' requests wait in _deferred
         self._deferred: list[Sequence] = []
-        self._stop_checkers: dict[Sequence, StopChecker] = {}  # requests with stop strings
+        self._stop_checkers: dict[Sequence, IncrementalText] = {}  # requests with stop strings
         if unknown:
             name = next(iter(unknown))
             close = difflib.get_close_matches(name, ENGINE_ARGUMENTS, n=1)
@@ -359,7 +359,7 @@ class _EngineSteps(_EngineRequests):
                 continue
             checker = self._stop_checkers.get(seq)
             if checker is None:
-                checker = self._stop_checkers[seq] = StopChecker(self.tokenizer, stop)
+                checker = self._stop_checkers[seq] = IncrementalText(self.tokenizer, stop)
             if not checker.update(seq):
                 continue
             if not seq.is_finished:
@@ -606,22 +606,21 @@ def held_back(text: str, stop: tuple[str, ...]) -> int:
 
 
 @dataclass(slots=True)
-class StopChecker:
-    """One request's completion, detokenized a few tokens at a time, searched for its stop
-    strings."""
+class IncrementalText:
+    """A completion detokenized a few tokens at a time, and searched for stop strings if any."""
 
     tokenizer: object
-    stop: tuple[str, ...]
+    stop: tuple[str, ...] = ()  # none: only the text
     text: str = ""  # the completion's text so far
     num_tokens: int = 0  # completion tokens seen
     prefix_offset: int = 0  # the decode window starts at this completion token...
     read_offset: int = 0  # ...and the window's text up to this token is already in `text`
 
-    def update(self, seq: Sequence) -> bool:
-        """Decode the completion's new tokens; True when the text now contains a stop string."""
-        n = seq.num_completion_tokens
-        if n == self.num_tokens:
-            return False
+    def advance(self, seq: Sequence) -> str:
+        """Decode the completion's new tokens; returns the text they complete ("" if none)."""
+        n = seq.num_completion_tokens - (seq.last_token == PENDING_TOKEN)  # not a placeholder
+        if n <= self.num_tokens:
+            return ""
         self.num_tokens = n
         start = seq.num_prompt_tokens
         window = seq.token_ids[start + self.prefix_offset : start + n]
@@ -629,8 +628,14 @@ class StopChecker:
         prefix = decode(window[: self.read_offset - self.prefix_offset], skip_special_tokens=True)
         full = decode(window, skip_special_tokens=True)
         if full.endswith("\ufffd"):
-            return False  # the bytes of a character are still arriving
+            return ""  # the bytes of a character are still arriving
         self.prefix_offset, self.read_offset = self.read_offset, n
-        search_from = max(0, len(self.text) - max(map(len, self.stop)) + 1)
-        self.text += full[len(prefix) :]
-        return find_stop(self.text, self.stop, search_from) >= 0
+        new = full[len(prefix) :]
+        self.text += new
+        return new
+
+    def update(self, seq: Sequence) -> bool:
+        """Decode the completion's new tokens; True when the text now contains a stop string."""
+        search_from = max(0, len(self.text) - max(map(len, self.stop), default=0) + 1)
+        return bool(self.advance(seq)) and find_stop(self.text, self.stop, search_from) >= 0
+
