@@ -9,6 +9,9 @@ Run it on a machine with a CUDA GPU (and flash-attn, to cover the FlashAttention
 nbval skips the `# NBVAL_SKIP` cells that hold the GPU paths, so the notebooks run through nbclient here, every
 cell included, each notebook in a fresh kernel with a time limit. `--executed DIR` keeps the executed notebooks;
 `scripts/keep_gpu_outputs.py DIR` then copies the GPU cells' outputs into notebooks/ for the site.
+
+Each notebook runs in its own process group, killed with its kernel at `--deadline`, and the summary is written
+after every notebook, so a run cut short still records what it did and leaves no kernel behind.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,16 +69,17 @@ def _pytest(args: list[str], timeout: float, log) -> dict:
            "--tb=short", f"--junitxml={report}", *args]
     log.write(f"$ {' '.join(cmd[1:])}\n")
     log.flush()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        proc.wait(timeout=timeout)
+        proc.wait(timeout=max(1.0, timeout))
         timed_out = False
     except subprocess.TimeoutExpired:  # pytest writes its report and summary on an interrupt
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         timed_out = True
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failures = []
@@ -107,7 +111,7 @@ def run_tests(timeout: float, extra: list[str], workers: int, log_path: Path) ->
     print(log_path.read_text()[-6000:])
     return {key: gpu[key] + other[key] for key in ("passed", "failed", "skipped", "failures")} | {
         "timed_out": gpu["timed_out"] or other["timed_out"], "seconds": round(time.perf_counter() - t0, 1),
-        "not_run": ignored, "workers": workers, "log": str(log_path.relative_to(ROOT))}
+        "not_run": ignored, "workers": workers, "log": str(log_path)}
 
 
 def run_notebook(path: Path, timeout: float, executed: Path | None) -> dict:
@@ -127,9 +131,39 @@ def run_notebook(path: Path, timeout: float, executed: Path | None) -> dict:
     if executed is not None:
         executed.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, executed / path.name)
-    print(f"{'ok  ' if error is None else 'FAIL'} {seconds:7.1f} s  {path.name}" + (f"  {error}" if error else ""),
-          flush=True)
     return {"name": path.stem, "ok": error is None, "seconds": seconds, **({"error": error} if error else {})}
+
+
+def run_notebook_isolated(path: Path, cell_timeout: float, limit: float, executed: Path | None) -> dict:
+    """run_notebook in its own process group, killed with its kernel when `limit` seconds pass."""
+    cmd = [sys.executable, __file__, "--one", str(path), "--cell-timeout", str(cell_timeout)]
+    if executed is not None:
+        cmd += ["--executed", str(executed)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=max(1.0, limit))
+        result = json.loads(out.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the kernel is in the same group
+        proc.wait()
+        result = {"name": path.stem, "ok": False, "error": f"not finished within {limit:.0f} s"}
+    except (json.JSONDecodeError, IndexError):
+        result = {"name": path.stem, "ok": False, "error": f"the runner exited with code {proc.returncode}"}
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    print(f"{'ok  ' if result['ok'] else 'FAIL'} {result['seconds']:7.1f} s  {path.name}"
+          + (f"  {result['error']}" if not result["ok"] else ""), flush=True)
+    return result
+
+
+def write_summary(summary: dict, out: Path) -> None:
+    """Write the summary, with `ok` true only when every notebook ran and every test passed."""
+    notebooks, tests = summary.get("notebooks", []), summary.get("tests", {})
+    summary["ok"] = bool(notebooks) and all(r["ok"] for r in notebooks) and bool(tests) \
+        and tests["failed"] == 0 and not tests["timed_out"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -146,8 +180,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=min(8, (os.cpu_count() or 2) // 2),
                         help="pytest-xdist processes for the tests other than tests/test_gpu.py")
     parser.add_argument("--tests-log", type=Path, default=ROOT / "_build" / "gpu_check_tests.log")
+    parser.add_argument("--deadline", type=float, default=3600,
+                        help="seconds for the notebooks part; notebooks not done by then are recorded as failed")
+    parser.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)  # a child: one notebook
     parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(run_notebook(args.one, args.cell_timeout, args.executed)), flush=True)
+        return {"ok": True}
     summary = {"provenance": provenance()}
     if args.out.exists():
         previous = json.loads(args.out.read_text())
@@ -161,21 +201,25 @@ def main(argv: list[str] | None = None) -> dict:
         if args.notebooks:
             paths = [p for p in paths if p.stem in set(args.notebooks)]
         done = {r["name"]: r for r in summary.get("notebooks", [])}
+        end = time.perf_counter() + args.deadline
+
+        def record(result: dict) -> None:
+            done[result["name"]] = result
+            summary["notebooks"] = [done[name] for name in sorted(done)]
+            write_summary(summary, args.out)  # after every notebook: a killed run keeps what it did
+
+        def run(path: Path) -> dict:
+            return run_notebook_isolated(path, args.cell_timeout, end - time.perf_counter(), args.executed)
+
         alone = [p for p in paths if p.stem in set(args.alone)]
         for path in alone:
-            done[path.stem] = run_notebook(path, args.cell_timeout, args.executed)
+            record(run(path))
         rest = [p for p in paths if p not in alone]
-        with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-            for result in pool.map(run_notebook, rest, [args.cell_timeout] * len(rest),
-                                   [args.executed] * len(rest)):
-                done[result["name"]] = result
-        summary["notebooks"] = [done[name] for name in sorted(done)]
-    notebooks = summary.get("notebooks", [])
-    tests = summary.get("tests", {})
-    summary["ok"] = bool(notebooks) and all(r["ok"] for r in notebooks) and bool(tests) \
-        and tests["failed"] == 0 and not tests["timed_out"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1) + "\n")
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            for result in pool.map(run, rest):
+                record(result)
+    write_summary(summary, args.out)
+    notebooks, tests = summary.get("notebooks", []), summary.get("tests", {})
     print(f"notebooks: {sum(r['ok'] for r in notebooks)} of {len(notebooks)} ran; tests: "
           f"{tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('skipped', 0)} skipped; "
           f"{'OK' if summary['ok'] else 'NOT OK'} -> {args.out}")

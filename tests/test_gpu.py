@@ -163,7 +163,7 @@ def test_gpu_memory_utilization_is_each_engines_share(ckpt):
         for llm in (a, b):
             pool = llm.model_runner.kv_cache.numel() * llm.model_runner.kv_cache.element_size()
             assert 0.3 * total < pool < 0.4 * total
-        with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.4 gives this engine .* LLM.close\(\)") \
+        with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.4 gives this engine .*LLM\.close\(\)") \
                 as refused:
             LLM(ckpt, **kwargs)
         print(refused.value)
