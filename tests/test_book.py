@@ -34,6 +34,33 @@ CDN = re.compile(r"(cdn\.jsdelivr\.net|unpkg\.com|cdnjs\.cloudflare\.com|mathjax
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def simulator_checks() -> list[tuple[str, list[tuple[str, str]], str, str, str]]:
+    """In-page simulators (book/_static/sim): page, inputs, output, data key, Python's answer."""
+    import torch
+
+    from nanoengine.engine.cuda_graphs import bucket_for, graph_buckets
+    from nanoengine.utils.memory import kv_cache_bytes_per_token, plan_kv_pool
+
+    class Qwen3Small:  # Qwen3-0.6B's cache shape, the KV-pool calculator's defaults
+        num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim = 28, 16, 8, 128
+
+    bpt = kv_cache_bytes_per_token(Qwen3Small(), 2, tensor_parallel_size=2)
+    plan = plan_kv_pool(141 * 2**30, int(1.4 * 2**30), 0, 0.9, bpt, 256, 4096)
+    logits = torch.tensor([4.2, 3.6, 3.1, 2.9, 2.5, 2.2, 2.0, 1.8, 1.7, 1.5, 1.2, 1.0, 0.9, 0.6,
+                           0.4, 0.2, 0.0, -0.3, -0.8, -2.0], dtype=torch.float64)  # chapter 06's
+    probs = ",".join(f"{p:.4f}" for p in torch.softmax(logits / 0.5, -1).tolist())
+    kv, temp = "notebooks/00_orientation.html", "notebooks/06_sampler.html"
+    buckets = "notebooks/11_cuda_graphs.html"
+    return [
+        (kv, [("tp", "2")], "#sim-kv-pool-out", "bytesPerToken", str(bpt)),
+        (kv, [("gpu_gib", "141")], "#sim-kv-pool-out", "numTokens", str(plan.num_tokens)),
+        (buckets, [("max_num_seqs", "100"), ("batch", "97")], "#sim-graph-buckets-out", "bucket",
+         str(bucket_for(graph_buckets(100), 97))),
+        (temp, [("temperature", "0")], "#sim-temperature-out", "greedy", str(int(logits.argmax()))),
+        (temp, [("temperature", "0.5")], "#sim-temperature-out", "probs", probs),
+    ]
+
+
 # --- building ------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -203,6 +230,31 @@ def test_site_renders_in_headless_chromium(book_build):
                 problems.append(f"{CHAPTER_PAGE}: no figure in the chapter")
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+            clicked = set()
+            for sim_page, fills, output, key, expected in simulator_checks():
+                if sim_page not in clicked:
+                    page.goto((HTML / sim_page).as_uri(), wait_until="load")
+                    clicked.add(sim_page)
+                if page.locator(output).count() != 1:
+                    problems.append(f"{sim_page}: no simulator output {output}")
+                    continue
+                for name, value in fills:
+                    page.fill(f'.sim input[name="{name}"]', value)
+                try:
+                    page.wait_for_function(
+                        "([sel, key, want]) => document.querySelector(sel).dataset[key] === want",
+                        arg=[output, key, expected], timeout=5_000,
+                    )
+                except PlaywrightTimeout:
+                    shown = page.eval_on_selector(
+                        output, "o => JSON.stringify(o.dataset) + ' ' + o.textContent"
+                    )
+                    problems.append(
+                        f"{sim_page}: after {fills} the simulator shows {shown}, "
+                        f"expected {key}={expected}"
+                    )
+            print(f"simulators clicked on {len(clicked)} pages")
 
             page.goto((HTML / MATH_PAGE).as_uri(), wait_until="load")
             try:
