@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(" ".join(cmd), flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     try:
         wait_healthy(url, proc, timeout=900)  # CUDA graphs and compilation take a while
         asyncio.run(run_rate(url, "bench", 8, 32, args.prompt_len, args.max_tokens, args.vocab_size,
