@@ -87,6 +87,7 @@ def run_acceptance(llm) -> tuple[list, list]:
     trace = list(llm.trace)
     assert any(r.is_prefill and r.num_tokens == 64 for r in trace), "a prompt was chunked"
     assert sum(r.num_preempted for r in trace) > 0, "preemption happened"
+    assert sum(r.planned_ahead for r in trace) > 0, "decode steps were planned ahead (async scheduling)"
     warm = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert llm.scheduler.block_manager.num_hit_blocks > 0, "the prefix cache was hit"
     return cold, warm
@@ -312,3 +313,44 @@ def test_a_segment_left_by_a_dead_process_is_removed_by_the_next_channel():
     channel.close()
     mine.close()
     mine.unlink()
+
+
+def test_async_tp2_equals_synchronous_tp1_with_stop_strings_chunking_prefix_hits_and_preemption(ckpt):
+    """Issue 12: with async scheduling at tp=2 the tokens reach rank 1 by a broadcast, not the host."""
+    TIGHT = dict(ENGINE, num_kvcache_blocks=14)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(ckpt, async_scheduling=False, **TIGHT) as sync1:
+        first = sync1.generate(PROMPTS, plain, use_tqdm=False)
+        stops = []
+        for out in first:  # a stop string that ends about halfway through each completion
+            pieces = [sync1.tokenizer.decode(out["token_ids"][:k], skip_special_tokens=True) for k in (8, 9)]
+            stops.append(pieces[1][len(pieces[0]):].strip() or None)
+        stops[1::2] = [None] * len(stops[1::2])  # the others run to max_tokens: preemption
+        params = [SamplingParams(temperature=0, max_tokens=24, stop=s) for s in stops]
+        expected = [sync1.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
+        assert not any(r.planned_ahead for r in sync1.trace)
+    assert sum(o["finish_reason"] == "stop" for o in expected[0]) >= 2, "stop strings ended several requests"
+    with LLM(ckpt, tensor_parallel_size=2, **TIGHT) as tp2:
+        assert tp2.model_runner.share_tokens
+        tp2.trace.clear()
+        got = [tp2.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
+        trace = list(tp2.trace)
+        assert sum(r.planned_ahead for r in trace) > 0, "decode steps were planned ahead at tp=2"
+        assert sum(r.num_preempted for r in trace) > 0 and any(r.is_prefill and r.num_tokens == 64 for r in trace)
+        assert tp2.scheduler.block_manager.num_hit_blocks > 0
+    for run_expected, run_got in zip(expected, got):
+        assert [(o["token_ids"], o["finish_reason"], o["text"]) for o in run_got] == \
+               [(o["token_ids"], o["finish_reason"], o["text"]) for o in run_expected]
+
+
+def test_a_script_without_a_main_guard_is_told_what_to_do(ckpt, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from nanoengine import LLM
+        llm = LLM({str(ckpt)!r}, tensor_parallel_size=2, device="cpu", num_kvcache_blocks=8)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "WorkerDiedError" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
+    print(last)

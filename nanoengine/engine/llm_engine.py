@@ -121,6 +121,8 @@ class _EngineBase:
         else:
             with tp_world(0, 1):  # one rank, whatever process group this process has (chapter 15a)
                 self.model_runner = ModelRunner(self.config)
+        # several ranks plan ahead only if each step's tokens reach every rank's device (09.3)
+        self.model_runner.share_tokens = self.async_scheduling
         self.config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler.from_config(self.config, self.eos_token_ids)
         self.trace: deque[StepRecord] = deque(maxlen=100_000)
@@ -328,9 +330,9 @@ class _EngineSteps(_EngineRequests):
             self._busy = False
 
     def _can_plan_ahead(self) -> bool:
-        """Async scheduling is on and the runner takes inputs from a step in flight (one rank
-        only)."""
-        return self.async_scheduling and self.model_runner.driver is None
+        """Async scheduling is on: the runner takes inputs from a step in flight (on every rank, the
+        tokens being broadcast)."""
+        return self.async_scheduling
 
     def _complete(self, batch: ScheduledBatch, launched: LaunchedStep, t0: float) -> list[Sequence]:
         """Wait for a launched step's tokens, apply them, and record the step."""

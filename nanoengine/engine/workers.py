@@ -8,8 +8,10 @@ __all__ = ['TIMEOUT', 'EXIT_SECONDS', 'check_tensor_parallel', 'init_tp_group', 
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
+import warnings
 import weakref
 import zlib
 from contextlib import contextmanager
@@ -185,6 +187,26 @@ class _Resources:
     num_threads: int = 1
     failure: str | None = None
     released: bool = False
+    on_gpu: bool = False  # NCCL: leaving the group is collective, and a dead peer can hang it
+
+
+def _leave_group(abort: bool) -> bool:
+    """Leave the process group, aborting it if asked (NCCL after a failure); False if that did
+    not finish within EXIT_SECONDS."""
+
+    def leave() -> None:
+        try:
+            if abort and hasattr(dist.distributed_c10d, "_abort_process_group"):
+                dist.distributed_c10d._abort_process_group()  # also ends a collective in flight
+            else:
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=leave, name="nanoengine-leave-group", daemon=True)
+    thread.start()
+    thread.join(EXIT_SECONDS)
+    return not thread.is_alive()
 
 
 def _release(res: _Resources) -> None:
@@ -192,12 +214,16 @@ def _release(res: _Resources) -> None:
     if res.released:
         return
     res.released = True
-    if res.channel is not None and res.failure is None and all(p.is_alive() for p in res.procs):
+    polite = res.failure is None and all(p.is_alive() for p in res.procs)
+    if polite and res.channel is not None:
         try:
             res.channel.send(("exit",), lambda: None, EXIT_SECONDS)
         except Exception:
-            pass
-    deadline = time.monotonic() + (EXIT_SECONDS if res.failure is None else 0)
+            polite = False
+    left = True
+    if polite and res.owns_group and dist.is_initialized():
+        left = _leave_group(abort=False)  # while the workers leave it too: NCCL needs all at once
+    deadline = time.monotonic() + (EXIT_SECONDS if polite else 0)
     for p in res.procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in res.procs:
@@ -207,8 +233,16 @@ def _release(res: _Resources) -> None:
     channel, res.channel = res.channel, None  # its events' semaphores go with it
     if channel is not None:
         channel.close()
-    if res.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+    if res.owns_group and dist.is_initialized():  # after a failure, or a polite leave that hung
+        left = _leave_group(abort=res.on_gpu)
+    if not left:
+        warnings.warn(
+            "the tensor-parallel process group did not shut down within "
+            f"{EXIT_SECONDS:.0f} s; its worker processes are gone, but this process cannot "
+            "start another tensor-parallel engine",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     res.store = None
     torch.set_num_threads(res.num_threads)
 
@@ -247,7 +281,7 @@ class WorkerGroup:
             )
         self.world_size, self.device, self.control_plane = world_size, device, control_plane
         self.local_rank = 0
-        self.res = _Resources(num_threads=torch.get_num_threads())
+        self.res = _Resources(num_threads=torch.get_num_threads(), on_gpu=device.type == "cuda")
         self._finalizer = weakref.finalize(self, _release, self.res)
         try:
             if control_plane == "dist" and launched_by_torchrun():
@@ -359,12 +393,29 @@ class WorkerGroup:
         """An error naming the first worker that exited (rank, pid, exit code, report), or None."""
         for rank, p in enumerate(self.res.procs, start=1):
             if p.exitcode is not None:
-                report = self._worker_error(rank)
+                report = self._worker_error(rank) or self._start_hint(rank, p.exitcode)
                 return WorkerDiedError(
                     f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
                     f"{_signal_name(p.exitcode)}" + (f"; its error:\n{report}" if report else "")
                 )
         return None
+
+    def _start_hint(self, rank: int, exitcode: int) -> str:
+        """What to do when a spawned worker failed before reaching the rendezvous."""
+        store = self.res.store
+        try:
+            joined = store is None or store.check([f"joined/{rank}"])
+        except Exception:
+            joined = True
+        if joined or exitcode != 1:
+            return ""
+        return (
+            "it failed while starting, before running any nanoengine code (its traceback is on "
+            "stderr). The usual cause: a script that builds a tensor-parallel engine at its top "
+            "level. Each rank is a fresh Python process that imports your script again "
+            "(multiprocessing's 'spawn'), so put the code that builds the engine under "
+            "`if __name__ == \"__main__\":`"
+        )
 
     def check_alive(self) -> None:
         """Raise WorkerDiedError if a worker has exited."""
