@@ -36,6 +36,36 @@ def run_bench(tp: int, out: Path, timeout: float) -> dict:
     return result
 
 
+def _time_one_shot(x: torch.Tensor, n: int, start, end) -> float | str:
+    """PyTorch's one-shot all-reduce over symmetric memory (peer-to-peer loads over NVLink, no
+    multicast), replayed from a CUDA graph: µs per all-reduce, or why it could not run."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        group = dist.group.WORLD
+        buf = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
+        symm_mem.rendezvous(buf, group)
+        buf.copy_(x)
+        expected = x * 2
+        name = group.group_name
+        out = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
+        torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                out = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
+        graph.replay()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+        return round(start.elapsed_time(end) * 1000 / (20 * n), 2)
+    except Exception as e:  # not every build or machine supports it
+        return f"{type(e).__name__}: {e}"[:300]
+
+
 def _time_allreduces(rank: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -75,7 +105,8 @@ def _time_allreduces(rank: int, port: int, queue) -> None:
         end.synchronize()
         graph_us = start.elapsed_time(end) * 1000 / (20 * n)
         results[str(batch)] = {"bytes": batch * HIDDEN * 2, "eager_us": round(eager_us, 2),
-                               "graph_us": round(graph_us, 2)}
+                               "graph_us": round(graph_us, 2),
+                               "one_shot_graph_us": _time_one_shot(x, n, start, end)}
         del graph
     if rank == 0:
         queue.put(results)

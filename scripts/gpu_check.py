@@ -97,21 +97,25 @@ def _pytest(args: list[str], timeout: float, log) -> dict:
     return {**counts, "timed_out": timed_out, "failures": failures}
 
 
-def run_tests(timeout: float, extra: list[str], workers: int, log_path: Path) -> dict:
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_tp2.py"]  # the second needs two GPUs, else skips
+
+
+def run_tests(timeout: float, extra: list[str], workers: int, log_path: Path, dist: str = "loadfile") -> dict:
     """Every test file with CUDA visible: the GPU tests alone (they size engines from free memory), the rest
-    spread over `workers` processes by file when pytest-xdist is installed; counts summed."""
+    spread over `workers` processes (by file, or by test with dist="load") when pytest-xdist is installed;
+    counts summed."""
     ignored = {path: f"needs {module}" for path, module in NEEDS.items() if importlib.util.find_spec(module) is None}
-    rest = [f"--ignore={path}" for path in ignored] + ["--ignore=tests/test_gpu.py"]
+    rest = [f"--ignore={path}" for path in ignored] + [f"--ignore={path}" for path in GPU_TESTS]
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
-        rest += ["-n", str(workers), "--dist", "loadfile"]
+        rest += ["-n", str(workers), "--dist", dist]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        gpu = _pytest(["tests/test_gpu.py", *extra], timeout / 3, log)
+        gpu = _pytest([*GPU_TESTS, *extra], timeout / 2, log)
         other = _pytest(["tests", *rest, *extra], timeout - (time.perf_counter() - t0), log)
     print(log_path.read_text()[-6000:])
     return {key: gpu[key] + other[key] for key in ("passed", "failed", "skipped", "failures")} | {
         "timed_out": gpu["timed_out"] or other["timed_out"], "seconds": round(time.perf_counter() - t0, 1),
-        "not_run": ignored, "workers": workers, "log": str(log_path)}
+        "not_run": ignored, "workers": workers, "dist": dist, "log": str(log_path)}
 
 
 def run_notebook(path: Path, timeout: float, executed: Path | None) -> dict:
@@ -179,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tests-timeout", type=float, default=1200, help="seconds for the whole pytest run")
     parser.add_argument("--workers", type=int, default=min(8, (os.cpu_count() or 2) // 2),
                         help="pytest-xdist processes for the tests other than tests/test_gpu.py")
+    parser.add_argument("--dist", default="loadfile", choices=["loadfile", "load"],
+                        help="how pytest-xdist spreads the tests: by file, or test by test (better with many workers)")
     parser.add_argument("--tests-log", type=Path, default=ROOT / "_build" / "gpu_check_tests.log")
     parser.add_argument("--deadline", type=float, default=3600,
                         help="seconds for the notebooks part; notebooks not done by then are recorded as failed")
@@ -195,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
             summary = {**previous, "provenance": {**previous["provenance"], **summary["provenance"]}}
     if args.part in ("all", "tests"):
         args.tests_log.parent.mkdir(parents=True, exist_ok=True)
-        summary["tests"] = run_tests(args.tests_timeout, args.pytest_args, args.workers, args.tests_log)
+        summary["tests"] = run_tests(args.tests_timeout, args.pytest_args, args.workers, args.tests_log,
+                                     args.dist)
     if args.part in ("all", "notebooks"):
         paths = sorted(NOTEBOOKS.glob("*.ipynb"))
         if args.notebooks:

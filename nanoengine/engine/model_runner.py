@@ -230,12 +230,17 @@ class _RunnerBase:
         return int(budget // block_bytes)
 
     def close(self) -> None:
-        """Stop the other ranks, then give back every byte: KV pool, graphs, weights; idempotent."""
+        """Give back every byte (KV pool, graphs, weights), then stop the other ranks; idempotent.
+
+        The graphs go first: NCCL cannot tear down a communicator that a live CUDA graph uses."""
+        if not self.closed:
+            self._free()
         driver, self.driver = self.driver, None
         if driver is not None:
             driver.close()
-        if self.closed:
-            return
+
+    def _free(self) -> None:
+        """Drop the KV pool, graphs, weights and sampler; hand the cached memory back."""
         self.closed = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])

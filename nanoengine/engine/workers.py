@@ -108,7 +108,11 @@ def serve_model(
     rank: int, local_rank: int, receive: Callable[[], tuple | None], config: Config
 ) -> None:
     """A worker's job in an engine: build this rank's shard, then run rank 0's steps."""
-    ModelRunner(config, rank, local_rank).serve(receive)
+    runner = ModelRunner(config, rank, local_rank)
+    try:
+        runner.serve(receive)
+    finally:
+        runner.close()  # its CUDA graphs use the NCCL communicator: free them before leaving
 
 
 def serve_echo(rank: int, local_rank: int, receive: Callable[[], tuple | None]) -> None:
@@ -223,6 +227,7 @@ def _release(res: _Resources) -> None:
     left = True
     if polite and res.owns_group and dist.is_initialized():
         left = _leave_group(abort=False)  # while the workers leave it too: NCCL needs all at once
+    res.owns_group = res.owns_group and left  # never tear a group down twice at once
     deadline = time.monotonic() + (EXIT_SECONDS if polite else 0)
     for p in res.procs:
         p.join(max(0.0, deadline - time.monotonic()))
