@@ -100,7 +100,8 @@ def _pytest(args: list[str], timeout: float, log) -> dict:
 GPU_TESTS = ["tests/test_gpu.py", "tests/test_gpu_tp2.py"]  # the second needs two GPUs, else skips
 
 
-def run_tests(timeout: float, extra: list[str], workers: int, log_path: Path, dist: str = "loadfile") -> dict:
+def run_tests(timeout: float, extra: list[str], workers: int, log_path: Path, dist: str = "loadfile",
+              gpu_tests: str = "with") -> dict:
     """Every test file with CUDA visible: the GPU tests alone (they size engines from free memory), the rest
     spread over `workers` processes (by file, or by test with dist="load") when pytest-xdist is installed;
     counts summed."""
@@ -109,13 +110,36 @@ def run_tests(timeout: float, extra: list[str], workers: int, log_path: Path, di
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
         rest += ["-n", str(workers), "--dist", dist]
     t0 = time.perf_counter()
+    none = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "timed_out": False}
     with open(log_path, "w") as log:
-        gpu = _pytest([*GPU_TESTS, *extra], timeout / 2, log)
-        other = _pytest(["tests", *rest, *extra], timeout - (time.perf_counter() - t0), log)
+        gpu = _pytest([*GPU_TESTS, *extra], timeout / 2, log) if gpu_tests != "none" else none
+        other = _pytest(["tests", *rest, *extra], timeout - (time.perf_counter() - t0), log) \
+            if gpu_tests != "only" else none
     print(log_path.read_text()[-6000:])
     return {key: gpu[key] + other[key] for key in ("passed", "failed", "skipped", "failures")} | {
         "timed_out": gpu["timed_out"] or other["timed_out"], "seconds": round(time.perf_counter() - t0, 1),
-        "not_run": ignored, "workers": workers, "dist": dist, "log": str(log_path)}
+        "not_run": ignored, "workers": workers, "dist": dist, "gpu_tests": gpu_tests, "log": str(log_path)}
+
+
+def merge(paths: list[Path], out: Path) -> dict:
+    """One summary from parts run apart (on different GPUs of one machine, or in two calls) at one commit."""
+    parts = [json.loads(path.read_text()) for path in paths]
+    commits = {part["provenance"]["commit"] for part in parts}
+    if len(commits) != 1:
+        raise SystemExit(f"the parts are of different commits: {sorted(commits)}")
+    summary = {"provenance": parts[0]["provenance"], "parts": [str(path) for path in paths]}
+    notebooks = {r["name"]: r for part in parts for r in part.get("notebooks", [])}
+    if notebooks:
+        summary["notebooks"] = [notebooks[name] for name in sorted(notebooks)]
+    tests = [part["tests"] for part in parts if "tests" in part]
+    if tests:
+        summary["tests"] = {key: sum(t[key] for t in tests) for key in ("passed", "failed", "skipped", "seconds")}
+        summary["tests"] |= {"failures": [f for t in tests for f in t["failures"]],
+                             "timed_out": any(t["timed_out"] for t in tests),
+                             "runs": [{k: t.get(k) for k in ("gpu_tests", "workers", "dist", "passed", "failed",
+                                                           "skipped", "seconds")} for t in tests]}
+    write_summary(summary, out)
+    return summary
 
 
 def run_notebook(path: Path, timeout: float, executed: Path | None) -> dict:
@@ -185,12 +209,20 @@ def main(argv: list[str] | None = None) -> dict:
                         help="pytest-xdist processes for the tests other than tests/test_gpu.py")
     parser.add_argument("--dist", default="loadfile", choices=["loadfile", "load"],
                         help="how pytest-xdist spreads the tests: by file, or test by test (better with many workers)")
+    parser.add_argument("--gpu-tests", default="with", choices=["with", "only", "none"],
+                        help="the GPU tests (run first, alone) with the others, only them, or none of them")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None,
+                        help="combine summaries written apart (same commit) into --out, and run nothing")
     parser.add_argument("--tests-log", type=Path, default=ROOT / "_build" / "gpu_check_tests.log")
     parser.add_argument("--deadline", type=float, default=3600,
                         help="seconds for the notebooks part; notebooks not done by then are recorded as failed")
     parser.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)  # a child: one notebook
     parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args(argv)
+    if args.merge:
+        summary = merge(args.merge, args.out)
+        print(f"merged {len(args.merge)} parts: {'OK' if summary['ok'] else 'NOT OK'} -> {args.out}")
+        return summary
     if args.one is not None:
         print(json.dumps(run_notebook(args.one, args.cell_timeout, args.executed)), flush=True)
         return {"ok": True}
@@ -202,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.part in ("all", "tests"):
         args.tests_log.parent.mkdir(parents=True, exist_ok=True)
         summary["tests"] = run_tests(args.tests_timeout, args.pytest_args, args.workers, args.tests_log,
-                                     args.dist)
+                                     args.dist, args.gpu_tests)
     if args.part in ("all", "notebooks"):
         paths = sorted(NOTEBOOKS.glob("*.ipynb"))
         if args.notebooks:
