@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from nanoengine.bench import BENCH_OUTPUT_TOKENS, BENCH_PROMPT_TOKENS, bench_workload, provenance
 
 
@@ -35,3 +37,53 @@ def test_a_scaled_down_run_on_cpu(tmp_path):
     expected = sum(p.max_tokens for p in bench_workload(4, 110, 104)[1])
     assert results["throughput"]["output_tokens"] == expected and results["throughput"]["output_tok_per_s"] > 0
     assert results["engine_info"]["attention_backend"] == "TorchBackend"
+
+
+# --- the host-only mode: scheduler, block manager and input packing without a model --------------------------------
+
+def test_host_only_reproduces_the_full_workload_and_the_gpu_runs_schedule():
+    from nanoengine.bench import measure_host
+
+    r = measure_host(repeats=1)
+    assert r["output_tokens"] == BENCH_OUTPUT_TOKENS == 133_966
+    # benchmarks/h200.json: the engine on one H200 (its pool of 4,390 blocks) ran 9 prefill and 1,023 decode steps
+    assert (r["prefill"]["steps"], r["decode"]["steps"], r["preemptions"]) == (9, 1023, 0)
+    for kind in ("prefill", "decode"):
+        phases = sum(r[kind][f"{p}_us"] for p in ("schedule", "prepare", "sample", "postprocess"))
+        assert r[kind]["us_per_step"] > 0 and abs(r[kind]["us_per_step"] - phases) < 1e-6
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_host_only_takes_the_steps_a_real_cpu_engine_takes(tmp_path, async_scheduling):
+    from nanoengine import LLM
+    from nanoengine.bench import ensure_checkpoint, host_steps, host_workload
+
+    sizes = (6, 110, 104)
+    settings = {"kvcache_block_size": 16, "num_kvcache_blocks": 30, "max_num_batched_tokens": 128,
+                "max_model_len": 1024}  # small: prompts are chunked and requests preempted
+    scheduler, runner, seqs = host_workload(*sizes, **settings)
+    steps = list(host_steps(scheduler, runner))
+    llm = LLM(ensure_checkpoint("tiny", tmp_path / "tiny"), device="cpu", async_scheduling=async_scheduling,
+              **settings)
+    prompts, params = bench_workload(*sizes)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    trace = list(llm.trace)
+    assert [len(o["token_ids"]) for o in outputs] == [s.num_completion_tokens for s in seqs]
+    assert [(s.is_prefill, s.num_seqs, s.num_preempted) for s in steps] == [
+        (r.is_prefill, r.num_seqs, r.num_preempted) for r in trace
+    ]
+    assert sum(s.num_preempted for s in steps) > 0 and sum(s.is_prefill for s in steps) > len(prompts)
+    llm.close()
+
+
+def test_host_only_on_the_command_line(tmp_path):
+    out = tmp_path / "host.json"
+    engine = {"kvcache_block_size": 16, "max_model_len": 1024}
+    done = subprocess.run([sys.executable, "-m", "nanoengine.bench", "--host-only", "--repeats", "2",
+                           "--num-seqs", "4", "--max-input-len", "110", "--max-output-len", "104",
+                           "--engine-json", json.dumps(engine), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    host = json.loads(out.read_text())["host_only"]
+    assert host["repeats"] == 2 and host["output_tokens"] == sum(p.max_tokens for p in bench_workload(4, 110, 104)[1])
+    assert "decode:" in done.stdout and "model" not in json.loads(out.read_text())

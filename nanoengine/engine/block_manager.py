@@ -130,19 +130,23 @@ class BlockManager:
 
     def can_append(self, seq: Sequence) -> bool:
         """True when the sequence's newest token has (or can get) a block."""
-        return self.num_free_blocks >= seq.num_blocks - len(seq.block_table)
+        num_tokens, num_held = seq.num_tokens, len(seq.block_table)
+        if num_held * self.block_size >= num_tokens:
+            return True  # most calls: the newest token's block is already there
+        return len(self.free_block_ids) >= -(-num_tokens // self.block_size) - num_held
 
     def may_append(self, seq: Sequence) -> None:
         """Add a block when the sequence's newest token starts a new logical block."""
-        while len(seq.block_table) < seq.num_blocks:
-            seq.block_table.append(self._take_block())
+        table = seq.block_table
+        while len(table) * self.block_size < seq.num_tokens:
+            table.append(self._take_block())
 
     def hash_blocks(self, seq: Sequence) -> None:
         """Publish the blocks this step's tokens completed, so later requests can reuse them."""
-        if not self.enable_prefix_caching:
-            return
         start = seq.num_cached_tokens // self.block_size
         end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
+        if start == end or not self.enable_prefix_caching:
+            return  # most calls: a decode token that completed no block
         h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else NO_HASH
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]

@@ -450,13 +450,18 @@ class LLMEngine(_EngineSteps):
         }
 
     def _run(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
-        """Queue the sequences, step until all are finished (yielding each time); abort on error."""
+        """Queue the sequences, step until all are finished (yielding what each step finished);
+        abort on error."""
         for seq in seqs:
             self.scheduler.add(seq)
         try:
-            while not all(seq.is_finished for seq in seqs):
-                self.step()
-                yield seqs
+            num_done = 0  # seqs[:num_done] are finished: each sequence is looked at once
+            while True:
+                while num_done < len(seqs) and seqs[num_done].is_finished:
+                    num_done += 1
+                if num_done == len(seqs):
+                    return
+                yield self.step()
         finally:
             self._release(seqs)
 
@@ -471,16 +476,15 @@ class LLMEngine(_EngineSteps):
         seqs = self._make_requests(prompts, sampling_params)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
-        done = 0
+        mine = set(seqs)  # a step also finishes other callers' requests (streams in progress)
         try:
-            for _ in self._run(seqs):
+            for finished in self._run(seqs):
                 record = self.trace[-1]
                 if record.is_prefill:
                     prefill_rate = record.num_tokens / record.seconds
                 else:
                     decode_rate = record.num_tokens / record.seconds
-                finished_now = sum(seq.is_finished for seq in seqs) - done
-                done += finished_now
+                finished_now = sum(seq in mine for seq in finished)
                 bar.set_postfix_str(
                     f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
                     refresh=False,

@@ -15,6 +15,7 @@ from ..utils.checks import check_int
 
 
 PENDING_TOKEN = -1  # stands in for a sampled token that is still on its way from the device
+_FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass(slots=True)
@@ -155,9 +156,11 @@ class Scheduler(SchedulerBase):
         self.num_steps += 1
         decodes: list[Sequence] = []
         preempted: list[Sequence] = []
-        while self.running and len(decodes) < self.max_num_seqs:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
+        running, max_num_seqs = self.running, self.max_num_seqs
+        can_append, may_append = self.block_manager.can_append, self.block_manager.may_append
+        while running and len(decodes) < max_num_seqs:
+            seq = running.popleft()
+            while not can_append(seq):
                 victim = self._newest_admitted(seq)
                 self.preempt(victim)
                 preempted.append(victim)
@@ -166,9 +169,9 @@ class Scheduler(SchedulerBase):
             else:
                 seq.num_scheduled_tokens = 1
                 seq.is_prefill = False
-                self.block_manager.may_append(seq)
+                may_append(seq)
                 decodes.append(seq)
-        self.running.extendleft(reversed(decodes))
+        running.extendleft(reversed(decodes))
 
         prefills: list[Sequence] = []
         budget = self.max_num_batched_tokens - len(decodes)
@@ -199,31 +202,36 @@ class Scheduler(SchedulerBase):
                 f"got {len(token_ids)} tokens for a batch of {len(batch.seqs)} sequences"
             )
         finished = []
+        hash_blocks, advanced, eos_token_ids, block_size = (
+            self.block_manager.hash_blocks, batch.advanced, self.eos_token_ids, self.block_size,
+        )
         for row, (seq, token_id) in enumerate(zip(batch.seqs, token_ids)):
-            if seq.is_finished:
+            if seq.status is _FINISHED:
                 continue  # aborted, or stopped while this step was in flight: its token is dropped
-            if batch.advanced is not None and batch.advanced[row]:
+            if advanced is not None and advanced[row]:
                 # planned ahead (section 6): the placeholder becomes the real token
                 seq.token_ids[-1] = seq.last_token = token_id
             else:
-                self.block_manager.hash_blocks(seq)
+                cached = seq.num_cached_tokens
+                if (cached + seq.num_scheduled_tokens) // block_size > cached // block_size:
+                    hash_blocks(seq)  # this step's tokens completed a block
                 seq.num_cached_tokens += seq.num_scheduled_tokens
                 seq.num_scheduled_tokens = 0
                 if seq.num_cached_tokens < seq.num_tokens:
                     continue
                 seq.append_token(token_id)
             params = seq.sampling_params
-            if not params.ignore_eos and token_id in self.eos_token_ids:
+            if not params.ignore_eos and token_id in eos_token_ids:
                 seq.finish_reason = "stop"
-            elif seq.num_completion_tokens >= params.max_tokens:
+            elif seq.num_tokens - seq.num_prompt_tokens >= params.max_tokens:
                 seq.finish_reason = "length"
             else:
                 continue
-            seq.status = SequenceStatus.FINISHED
+            seq.status = _FINISHED
             self.block_manager.deallocate(seq)
             finished.append(seq)
         if finished:
-            self.running = deque(s for s in self.running if not s.is_finished)
+            self.running = deque(s for s in self.running if s.status is not _FINISHED)
         return finished
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:

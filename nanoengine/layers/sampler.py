@@ -5,6 +5,7 @@ __all__ = ['ARGMAX_CHUNK', 'splitmix64', 'mix_seed', 'SamplingBatch', 'apply_top
            'Sampler']
 
 # %% ../../notebooks/06_sampler.ipynb #0890e4cb
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -32,34 +33,43 @@ def mix_seed(seed: int, position: int) -> int:
     return splitmix64(splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
 
 # %% ../../notebooks/06_sampler.ipynb #347eb5d3
+_ARRAY_TYPECODES = {torch.float32: "f", torch.int64: "q"}
+
+
 def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A small host list as a tensor on `device` (pinned and non-blocking when that is a GPU)."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
+    """A flat host list as a tensor on `device` (pinned and non-blocking when that is a GPU)."""
+    t = torch.frombuffer(array(_ARRAY_TYPECODES[dtype], values), dtype=dtype)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def _uses_options(params: list[SamplingParams]) -> bool:
+    """True when some row sets top-k, top-p or a seed (a loop: it stops at the first)."""
+    for sp in params:
+        if sp.top_k != -1 or sp.top_p != 1.0 or sp.seed is not None:
+            return True
+    return False
 
 
 @dataclass(slots=True)
 class SamplingBatch:
     """Per-row sampling settings of one engine step, as tensors on the logits' device."""
 
-    temperatures: torch.Tensor  # [B] float32, 0 = greedy
-    top_ks: torch.Tensor  # [B] int64, -1 = off
-    top_ps: torch.Tensor  # [B] float32, 1.0 = off
-    # per-row seed for this step (from mix_seed); None = the global generator
-    seeds: list[int | None]
+    num_rows: int  # the batch size B
+    temperatures: torch.Tensor | None = None  # [B] float32, 0 = greedy; None: every row greedy
+    top_ks: torch.Tensor | None = None  # [B] int64, -1 = off; None: no row uses top-k
+    top_ps: torch.Tensor | None = None  # [B] float32, 1.0 = off; None: no row uses top-p
+    # per-row seed for this step (from mix_seed), None = the global generator; None: no row has one
+    seeds: list[int | None] | None = None
     max_top_k: int = 0  # largest top_k in use, 0 when no row uses top-k
     all_greedy: bool = True
     any_greedy: bool = True
     any_top_k: bool = False
     any_top_p: bool = False
     any_seeded: bool = False
-
-    @property
-    def num_rows(self) -> int:
-        """The batch size B."""
-        return len(self.seeds)
 
     @classmethod
     def from_params(
@@ -83,27 +93,39 @@ class SamplingBatch:
             positions = [
                 check_int(f"positions[{i}]", pos, minimum=0) for i, pos in enumerate(positions)
             ]
-        temperatures, top_ks, top_ps, seeds = [], [], [], []
-        for sp, pos in zip(params, positions):
-            temperatures.append(float(sp.temperature))
-            if sp.temperature > 0:
-                top_ks.append(sp.top_k if sp.top_k > 0 else -1)
-                top_ps.append(sp.top_p)
-                seeds.append(None if sp.seed is None else mix_seed(sp.seed, pos))
-            else:
-                top_ks.append(-1)
-                top_ps.append(1.0)
-                seeds.append(None)
-        # [2, B]: one host-to-device copy
-        floats = _to_device([temperatures, top_ps], torch.float32, device)
-        any_top_k = any(k > 0 for k in top_ks)
+        temperatures = [sp.temperature for sp in params]
+        if not temperatures or max(temperatures) == 0.0:
+            return cls(len(params), any_greedy=bool(params))  # all greedy: no tensor at all
+        if _uses_options(params):
+            return cls._with_options(params, positions, temperatures, device)
         return cls(
-            temperatures=floats[0], top_ks=_to_device(top_ks, torch.int64, device),
-            top_ps=floats[1], seeds=seeds, max_top_k=max(top_ks) if any_top_k else 0,
-            all_greedy=not any(t > 0 for t in temperatures),
-            any_greedy=not all(t > 0 for t in temperatures), any_top_k=any_top_k,
-            any_top_p=any(p < 1.0 for p in top_ps),
-            any_seeded=any(seed is not None for seed in seeds),
+            len(params), _to_device(temperatures, torch.float32, device), all_greedy=False,
+            any_greedy=min(temperatures) == 0.0,
+        )
+
+    @classmethod
+    def _with_options(
+        cls, params: list[SamplingParams], positions: list[int], temperatures: list[float],
+        device: torch.device | str,
+    ) -> "SamplingBatch":
+        """Some row sets top-k, top-p or a seed: tensors for the options in use, greedy rows off."""
+        top_ks, top_ps, seeds = [], [], []
+        for sp, temperature, pos in zip(params, temperatures, positions):
+            sampled = temperature > 0
+            top_ks.append(sp.top_k if sampled and sp.top_k > 0 else -1)
+            top_ps.append(sp.top_p if sampled else 1.0)
+            seeds.append(mix_seed(sp.seed, pos) if sampled and sp.seed is not None else None)
+        max_top_k, any_top_p = max(top_ks), min(top_ps) < 1.0
+        any_seeded = seeds.count(None) < len(seeds)
+        floats = _to_device(
+            temperatures + top_ps if any_top_p else temperatures, torch.float32, device
+        ).view(-1, len(params))  # [2, B] or [1, B]: one host-to-device copy
+        return cls(
+            len(params), floats[0],
+            top_ks=_to_device(top_ks, torch.int64, device) if max_top_k > 0 else None,
+            top_ps=floats[1] if any_top_p else None, seeds=seeds if any_seeded else None,
+            max_top_k=max(max_top_k, 0), all_greedy=False, any_greedy=min(temperatures) == 0.0,
+            any_top_k=max_top_k > 0, any_top_p=any_top_p, any_seeded=any_seeded,
         )
 
 # %% ../../notebooks/06_sampler.ipynb #64de2d6d
@@ -141,7 +163,7 @@ def draw_exponentials(like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Exp(1) noise shaped like `like` [B, V]: seeded rows from their own generator, the rest from
     the global one."""
     noise = torch.empty_like(like, dtype=torch.float32)
-    if not all(seed is not None for seed in batch.seeds):
+    if not batch.any_seeded or None in batch.seeds:
         noise.exponential_()
     if batch.any_seeded:
         generator = torch.Generator(device=like.device)
