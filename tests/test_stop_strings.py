@@ -249,3 +249,21 @@ def test_stop_strings_through_chunking_preemption_and_prefix_hits(ckpt, llm):
     assert tight.scheduler.block_manager.num_hit_blocks > 0
     bm = tight.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not tight._stop_checkers
+
+
+def test_a_stream_decodes_each_token_a_bounded_number_of_times(ckpt):
+    """Streaming 120 tokens decodes O(n) tokens in all (a whole-completion decode per event would be ~7,000)."""
+    with LLM(ckpt, **ENGINE) as llm:
+        expected = llm.generate(PROMPTS[:1], params(max_tokens=120), use_tqdm=False)[0]
+        decode, decoded = llm.tokenizer.decode, []
+
+        def counting(ids, **kw):
+            decoded.append(len(ids))
+            return decode(ids, **kw)
+
+        llm.tokenizer.decode = counting
+        events = list(llm.stream(PROMPTS[:1], params(max_tokens=120)))
+        llm.tokenizer.decode = decode
+    assert "".join(e.text for e in events) == expected["text"]
+    assert [t for e in events for t in e.token_ids] == expected["token_ids"]
+    assert len(events) > 100 and sum(decoded) < 10 * 120, sum(decoded)

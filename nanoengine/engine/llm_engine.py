@@ -8,6 +8,7 @@ __all__ = ['Prompt', 'ENGINE_ARGUMENTS', 'CONTROL_PLANES', 'TOKENIZER_FILES', 'S
 import difflib
 import os
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -118,6 +119,8 @@ class _EngineBase:
             from nanoengine.engine.workers import start_tensor_parallel
 
             self.model_runner = start_tensor_parallel(self.config, control_plane)
+            # garbage collection or exit without close(): free the CUDA graphs before the group
+            weakref.finalize(self, self.model_runner.close)
         else:
             with tp_world(0, 1):  # one rank, whatever process group this process has (chapter 15a)
                 self.model_runner = ModelRunner(self.config)
@@ -504,7 +507,8 @@ class LLMEngine(_EngineSteps):
         return self._stream(self._make_requests(prompts, sampling_params))
 
     def _stream(self, seqs: list[Sequence]) -> Iterator[StreamEvent]:
-        sent = [[0, "", False] for _ in seqs]  # per request: tokens sent, text sent, finished sent
+        # per request: tokens sent, text sent, finished sent, its incremental detokenizer
+        sent = [[0, "", False, None] for _ in seqs]
         run = self._run(seqs)
         try:
             for _ in run:
@@ -516,20 +520,24 @@ class LLMEngine(_EngineSteps):
     def _new_events(self, seqs: list[Sequence], sent: list[list]) -> Iterator[StreamEvent]:
         """One event per request that progressed (by any step) since its last event."""
         for i, seq in enumerate(seqs):
-            num_sent, text_sent, done = sent[i]
+            num_sent, text_sent, done, detok = sent[i]
             n = seq.num_completion_tokens
             if done or (n == num_sent and not seq.is_finished):
                 continue
-            text = self._text(seq)
-            if text is not None and not seq.is_finished:
-                if text.endswith("\ufffd"):
-                    text = text_sent  # half a character: wait for the rest of its bytes
-                elif seq.sampling_params.stop:  # hold back what may be the start of a stop string
+            if self.tokenizer is None:
+                text = None
+            elif seq.is_finished:
+                text = self._text(seq)  # the final text, cut at a stop string: one whole decode
+            else:  # decode only the new tokens (section 8), not the whole completion every time
+                detok = detok or IncrementalText(self.tokenizer)
+                detok.advance(seq)  # keeps the text until half a character's bytes are complete
+                text = detok.text
+                if seq.sampling_params.stop:  # hold back what may be the start of a stop string
                     text = text[
                         : max(len(text_sent), len(text) - held_back(text, seq.sampling_params.stop))
                     ]
             new_text = None if text is None else text[len(text_sent) :]
-            sent[i] = [n, text if text is not None else "", seq.is_finished]
+            sent[i] = [n, text if text is not None else "", seq.is_finished, detok]
             yield StreamEvent(
                 i, seq.completion_token_ids[num_sent:n], new_text, seq.is_finished,
                 seq.finish_reason,
