@@ -1,4 +1,4 @@
-"""Stop strings (chapter 10, section 8): SamplingParams(stop=[...]) in generate and stream."""
+"""Stop strings (chapter 10, section 6): SamplingParams(stop=[...]) in generate and stream."""
 import itertools
 import pickle
 import shutil

@@ -353,7 +353,7 @@ class _EngineSteps(_EngineRequests):
         return finished
 
     def _check_stop_strings(self, batch: ScheduledBatch, finished: list[Sequence]) -> None:
-        """Finish the requests of `batch` whose text now contains a stop string (section 8)."""
+        """Finish the requests of `batch` whose text now contains a stop string (section 6)."""
         for seq in batch.seqs:
             stop = seq.sampling_params.stop
             if (
@@ -528,7 +528,7 @@ class LLMEngine(_EngineSteps):
                 text = None
             elif seq.is_finished:
                 text = self._text(seq)  # the final text, cut at a stop string: one whole decode
-            else:  # decode only the new tokens (section 8), not the whole completion every time
+            else:  # decode only the new tokens (section 6), not the whole completion every time
                 detok = detok or IncrementalText(self.tokenizer)
                 detok.advance(seq)  # keeps the text until half a character's bytes are complete
                 text = detok.text
