@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -69,6 +70,7 @@ def _pytest(args: list[str], timeout: float, log) -> dict:
            "--tb=short", f"--junitxml={report}", *args]
     log.write(f"$ {' '.join(cmd[1:])}\n")
     log.flush()
+    start = log.tell()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         proc.wait(timeout=max(1.0, timeout))
@@ -94,6 +96,17 @@ def _pytest(args: list[str], timeout: float, log) -> dict:
             else:
                 counts["passed"] += 1
         report.unlink()
+    # pytest's own summary line wins: an interrupted run's report also lists the tests it cut short
+    log.flush()
+    with open(log.name, encoding="utf-8", errors="replace") as f:
+        f.seek(start)
+        summary = [line for line in f.read().splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    if summary:
+        for key in counts:
+            found = re.search(rf"(\d+) {key}", summary[-1])
+            counts[key] = int(found.group(1)) if found else 0
+        errors = re.search(r"(\d+) errors?", summary[-1])
+        counts["failed"] += int(errors.group(1)) if errors else 0
     return {**counts, "timed_out": timed_out, "failures": failures}
 
 

@@ -160,7 +160,7 @@ def test_tp2_close_with_block_garbage_collection_and_interpreter_exit_are_quick_
 
 def test_tp2_worker_killed_mid_generate_is_an_error_within_seconds(ckpt, tmp_path):
     out, _ = run_script(tmp_path, f"""
-        import os, signal, threading, time
+        import os, signal, time
         import torch.distributed as dist
         from nanoengine import LLM, SamplingParams
         from nanoengine.engine.workers import WorkerDiedError
@@ -169,12 +169,12 @@ def test_tp2_worker_killed_mid_generate_is_an_error_within_seconds(ckpt, tmp_pat
                       max_model_len=2048)
             victim = llm.model_runner.driver.procs[0].pid
             killed = []
-            def kill():
-                killed.append(time.monotonic()); os.kill(victim, signal.SIGKILL)
-            threading.Timer(2.0, kill).start()
             long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
-            try:
-                llm.generate([[1, 2, 3]] * 8, long, use_tqdm=False)
+            try:  # kill rank 1 once decoding is under way: the stream's 50th event
+                for i, _ in enumerate(llm.stream([[1, 2, 3]] * 8, long)):
+                    if i == 50:
+                        killed.append(time.monotonic())
+                        os.kill(victim, signal.SIGKILL)
                 print("no error")
             except WorkerDiedError as e:
                 print("reported", time.monotonic() - killed[0], str(e).splitlines()[0])
