@@ -103,6 +103,7 @@ def ensure_checkpoint(preset: str, directory: str | os.PathLike | None = None) -
     return path
 
 
+# %% ../notebooks/13_benchmarks.ipynb #b0a45fbd
 def measure_throughput(
     llm, num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024
 ) -> dict:
@@ -163,6 +164,7 @@ def measure_latency(llm, prompt_len: int = 100, extra_tokens: int = 512, repeats
     }
 
 
+# %% ../notebooks/13_benchmarks.ipynb #c9deca28
 def measure_decode_sweep(llm, batch_sizes: list[int], context: int = 512, steps: int = 20) -> dict:
     """Decode step time (ms) per batch size at `context` tokens per sequence, eager and graphed."""
     runner = llm.model_runner
@@ -243,6 +245,7 @@ def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int =
     }
 
 
+# %% ../notebooks/13_benchmarks.ipynb #e0e03b52
 ABLATIONS = {
     "all optimisations": {},
     "no async scheduling": {"async_scheduling": False},
@@ -301,6 +304,7 @@ def run_ablations(
     return results
 
 
+# %% ../notebooks/13_benchmarks.ipynb #4b90de8f
 def main(argv: list[str] | None = None) -> dict:
     """Command line: python -m nanoengine.bench --help."""
     p = argparse.ArgumentParser(
@@ -409,6 +413,7 @@ def _write(results: dict, out: str | None) -> dict:
     if out:
         Path(out).write_text(json.dumps(results, indent=2))
     return results
+
 
 # %% ../notebooks/13_benchmarks.ipynb #a61c0e02
 H200_NUM_KV_BLOCKS = 4390  # the KV pool the engine sized for itself on one H200 (h200.json)

@@ -252,19 +252,10 @@ def _release(res: _Resources) -> None:
     torch.set_num_threads(res.num_threads)
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process exited; the message names its rank and exit code."""
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
-    except ValueError:
-        return ""
-
-
-class WorkerGroup:
-    """Rank 0's handle on ranks 1..P-1: their processes, the process group, the control channel."""
+# %% ../../notebooks/15a_worker_group.ipynb #eab74163
+class _WorkerStart:
+    """Starting ranks 1..P-1 (spawned here, or joined under torchrun); the first half of
+    WorkerGroup."""
 
     def __init__(
         self,
@@ -384,6 +375,22 @@ class WorkerGroup:
                     )
                 time.sleep(POLL_SECONDS / 4)
 
+
+# %% ../../notebooks/15a_worker_group.ipynb #6410b686
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process exited; the message names its rank and exit code."""
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+    except ValueError:
+        return ""
+
+
+class WorkerGroup(_WorkerStart):
+    """Rank 0's handle on ranks 1..P-1: their processes, the process group, the control channel."""
+
     def _worker_error(self, rank: int) -> str:
         """The traceback a worker reported before exiting, if any."""
         store = self.res.store
@@ -461,6 +468,7 @@ class WorkerGroup:
         self._finalizer()
 
 
+# %% ../../notebooks/15a_worker_group.ipynb #ca78dbac
 def start_tensor_parallel(config: Config, control_plane: str = "shm") -> ModelRunner:
     """Rank 0 of a tensor-parallel engine: start (or join) the other ranks, build its runner."""
     check_tensor_parallel(config)
@@ -474,3 +482,4 @@ def start_tensor_parallel(config: Config, control_plane: str = "shm") -> ModelRu
         raise
     runner.driver = group
     return runner
+
