@@ -61,6 +61,75 @@ def simulator_checks() -> list[tuple[str, list[tuple[str, str]], str, str, str]]
     ]
 
 
+# The scheduler stepper's page and defaults (notebook 03's markup): pool blocks, block size, budget, max_num_seqs.
+STEPPER_PAGE = "notebooks/03_scheduler.html"
+STEPPER_DEFAULTS = (24, 4, 16, 8, [(10, 8), (22, 6), (7, 10), (16, 5)])
+
+
+def stepper_states(num_blocks: int, block_size: int, budget: int, max_num_seqs: int, requests) -> list[dict]:
+    """The Python Scheduler's queues after each step, as the stepper's output shows them (names A, B, ...)."""
+    from nanoengine.engine.scheduler import Scheduler
+    from nanoengine.engine.sequence import Sequence
+    from nanoengine.sampling_params import SamplingParams
+
+    sch = Scheduler(num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                    max_model_len=1 << 20, enable_prefix_caching=False)
+    names = {}
+    for i, (prompt, max_tokens) in enumerate(requests):
+        seq = Sequence([1000 * (i + 1) + t for t in range(prompt)], SamplingParams(max_tokens=max_tokens),
+                       block_size=block_size)
+        names[seq.seq_id] = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[i]
+        sch.add(seq)
+    states = []
+    while not sch.is_finished():
+        batch = sch.schedule()
+        sch.postprocess(batch, [7] * len(batch.seqs))
+        states.append({
+            "step": str(batch.step), "waiting": "".join(names[s.seq_id] for s in sch.waiting),
+            "running": "".join(names[s.seq_id] for s in sch.running),
+            "freeBlocks": str(sch.block_manager.num_free_blocks), "preemptions": str(sch.num_preemptions),
+        })
+    return states
+
+
+def click_stepper(page) -> list[str]:
+    """Step, run and reset chapter 03's scheduler stepper; what it shows must be the Python Scheduler's state."""
+    out = "#sim-scheduler-out"
+    if page.locator(out).count() != 1:
+        return [f"{STEPPER_PAGE}: no scheduler stepper {out}"]
+    problems = []
+
+    def shown() -> dict:
+        return page.eval_on_selector(out, "o => Object.assign({text: o.textContent}, o.dataset)")
+
+    def expect(when: str, want: dict) -> None:
+        got = shown()
+        if any(got.get(k) != v for k, v in want.items()):
+            problems.append(f"{STEPPER_PAGE}: {when}, the stepper shows {got}, expected {want}")
+
+    states = stepper_states(*STEPPER_DEFAULTS)
+    expect("before any step", {"step": "0", "waiting": "ABCD", "running": ""})
+    for k in range(3):
+        page.click('.sim-scheduler button[name="step"]')
+        expect(f"after {k + 1} clicks on Step", states[k])
+    rows = page.locator(".sim-scheduler-history tbody tr").count()
+    if rows != 3:
+        problems.append(f"{STEPPER_PAGE}: {rows} rows in the stepper's history after 3 steps, expected 3")
+    page.fill('.sim-scheduler input[name="num_blocks"]', "16")  # a smaller pool: a preemption
+    expect("after the pool shrank", {"step": "0", "waiting": "ABCD"})
+    page.click('.sim-scheduler button[name="run"]')
+    small = stepper_states(16, *STEPPER_DEFAULTS[1:])
+    expect("after Run on 16 blocks", {**small[-1], "done": "yes"})
+    marked = page.eval_on_selector_all(
+        ".sim-scheduler-history tbody td:nth-child(5)", "tds => tds.filter(td => td.textContent).length"
+    )
+    if small[-1]["preemptions"] == "0" or not marked:
+        problems.append(f"{STEPPER_PAGE}: the 16-block run shows no preemption in the stepper's history")
+    page.click('.sim-scheduler button[name="reset"]')
+    expect("after Reset", {"step": "0", "waiting": "ABCD", "running": ""})
+    return problems
+
+
 # --- building ------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -263,6 +332,8 @@ def test_site_renders_in_headless_chromium(book_build):
                         f"expected {key}={expected}"
                     )
             print(f"simulators clicked on {len(clicked)} pages")
+            page.goto((HTML / STEPPER_PAGE).as_uri(), wait_until="load")
+            problems += click_stepper(page)
 
             for stem in stems[1:]:  # every page of the table of contents, as a reader opens it
                 page.goto((HTML / f"{stem}.html").as_uri(), wait_until="load")

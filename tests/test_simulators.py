@@ -2,7 +2,7 @@
 
 Each JavaScript file exports its pure functions when `module` exists; node runs them on shared
 scenarios and the answers are compared with nanoengine's own functions (and torch.softmax for the
-temperature race).
+temperature race; the real Scheduler, driven by fabricated tokens, for the scheduler stepper).
 """
 
 import json
@@ -15,6 +15,9 @@ import pytest
 import torch
 
 from nanoengine.engine.cuda_graphs import bucket_for, graph_buckets
+from nanoengine.engine.scheduler import Scheduler
+from nanoengine.engine.sequence import Sequence
+from nanoengine.sampling_params import SamplingParams
 from nanoengine.utils.memory import kv_cache_bytes_per_token, plan_kv_pool
 
 SIM = Path(__file__).resolve().parents[1] / "book" / "_static" / "sim"
@@ -144,3 +147,136 @@ def test_temperature_race_matches_torch():
         assert torch.allclose(
             torch.tensor(probs, dtype=torch.float64), expected, rtol=0, atol=1e-12
         ), (logits, t)
+
+
+PAGE_REQUESTS = [(10, 8), (22, 6), (7, 10), (16, 5)]  # notebook 03's stepper, A to D
+# Scheduler stepper: pool blocks, block size, max_num_seqs, token budget, [(prompt, max_tokens)]
+SCHEDULER_SCENARIOS = {
+    "chunked prefill": (32, 4, 8, 16, [(10, 6), (22, 5), (7, 8), (50, 3)]),
+    "preemption": (8, 4, 8, 16, [(6, 12), (5, 12), (7, 10), (4, 9)]),
+    "preemption of a half-computed prompt": (9, 2, 8, 6, [(3, 10), (3, 9), (10, 4)]),
+    "a pool that just fits": (3, 2, 4, 64, [(2, 5), (2, 5), (2, 5)]),
+    "long prompt over the budget": (64, 8, 16, 24, [(150, 4), (9, 20), (30, 6)]),
+    "max_num_seqs binds": (
+        128, 4, 3, 64, [(5, 9), (8, 4), (3, 12), (6, 6), (4, 3), (7, 7), (2, 10)]
+    ),
+    "many small requests": (
+        20, 4, 8, 32, [(2 + (7 * i) % 9, 1 + (5 * i) % 11) for i in range(20)]
+    ),
+    "budget of one token": (16, 4, 4, 1, [(3, 3), (2, 4), (5, 2)]),
+    "max_tokens of one": (6, 2, 4, 8, [(4, 1), (7, 1), (3, 2), (1, 1)]),
+    "the page's requests in a pool of 12": (12, 4, 8, 16, PAGE_REQUESTS),
+}
+
+
+def python_scheduler_steps(
+    num_blocks: int, block_size: int, max_num_seqs: int, budget: int, requests: list
+) -> list[dict]:
+    """Every step of the real Scheduler (no prefix caching, made-up tokens), as the JS has it."""
+    sch = Scheduler(
+        num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+        max_model_len=1 << 20, enable_prefix_caching=False,
+    )
+    seqs = []
+    for i, (prompt, max_tokens) in enumerate(requests):
+        tokens = [1000 * (i + 1) + t for t in range(prompt)]  # distinct prompts
+        seqs.append(Sequence(tokens, SamplingParams(max_tokens=max_tokens), block_size=block_size))
+        sch.add(seqs[-1])
+    index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+    steps = []
+    while not sch.is_finished():
+        batch = sch.schedule()
+        scheduled = [
+            {
+                "id": index[s.seq_id], "tokens": s.num_scheduled_tokens, "prefill": s.is_prefill,
+                "last": s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens,
+            }
+            for s in batch.seqs
+        ]
+        finished = sch.postprocess(batch, [7] * len(batch.seqs))
+        steps.append({
+            "step": batch.step,
+            "scheduled": scheduled,
+            "numTokens": batch.num_batched_tokens,
+            "preempted": [index[s.seq_id] for s in batch.preempted],
+            "finished": [index[s.seq_id] for s in finished],
+            "waiting": [index[s.seq_id] for s in sch.waiting],
+            "running": [index[s.seq_id] for s in sch.running],
+            "freeBlocks": sch.block_manager.num_free_blocks,
+            "blockTables": [list(s.block_table) for s in seqs],
+            "generated": [s.num_completion_tokens for s in seqs],
+        })
+    return steps
+
+
+def js_scheduler_steps(scenarios: list) -> list:
+    return run_js(
+        "scheduler.js",
+        "m.run({numBlocks: s[0], blockSize: s[1], maxNumSeqs: s[2],"
+        " maxNumBatchedTokens: s[3]}, s[4])",
+        scenarios,
+    )
+
+
+def test_scheduler_stepper_matches_python():
+    names, scenarios = zip(*SCHEDULER_SCENARIOS.items())
+    got = js_scheduler_steps(list(scenarios))
+    for name, scenario, js in zip(names, scenarios, got):
+        expected = python_scheduler_steps(*scenario)
+        assert len(js) == len(expected), f"{name}: {len(js)} steps in JS, {len(expected)} in Python"
+        for py_step, js_step in zip(expected, js):
+            assert js_step == py_step, f"{name}, step {py_step['step']}"
+    # the scenarios cover what their names promise
+    steps = {name: python_scheduler_steps(*s) for name, s in SCHEDULER_SCENARIOS.items()}
+
+    def chunked(name):
+        return any(x["prefill"] and not x["last"] for st in steps[name] for x in st["scheduled"])
+
+    def preempted(name):
+        return [i for st in steps[name] for i in st["preempted"]]
+
+    assert chunked("chunked prefill") and chunked("long prompt over the budget")
+    assert preempted("preemption") and preempted("preemption of a half-computed prompt")
+    half = steps["preemption of a half-computed prompt"]
+    first = next(i for i, st in enumerate(half) if st["preempted"])
+    victim = half[first]["preempted"][0]
+    assert half[first - 1]["waiting"][0] == victim and half[first - 1]["blockTables"][victim]
+    assert max(len(st["scheduled"]) for st in steps["max_num_seqs binds"]) == 3
+    assert not any(preempted(n) for n in ("chunked prefill", "max_num_seqs binds"))
+
+
+def test_scheduler_stepper_refuses_what_python_refuses():
+    bad = [
+        (4, 4, 8, 16, [(10, 8)]),  # needs 5 blocks of 4, the pool has 4
+        (8, 3, 8, 16, [(4, 4)]),  # block size not a power of two
+        (8, 4, 0, 16, [(4, 4)]),
+        (8, 4, 8, 0, [(4, 4)]),
+    ]
+    for scenario, js in zip(bad, js_scheduler_steps(bad)):
+        assert "error" in js, scenario
+        with pytest.raises(ValueError):
+            python_scheduler_steps(*scenario)
+    js = run_js("scheduler.js", "m.parseRequests(s)", ["10:8, 22 : 6,", "10-8"])
+    assert js[0] == [[10, 8], [22, 6]] and "error" in js[1]
+
+
+def test_scheduler_stepper_page_claims():
+    """What notebook 03 tells the reader to look for in the stepper (defaults: 24 blocks of 4)."""
+    default = python_scheduler_steps(24, 4, 8, 16, PAGE_REQUESTS)
+    assert not any(st["preempted"] for st in default)
+    chunks_of_b = [
+        x["tokens"] for st in default for x in st["scheduled"] if x["id"] == 1 and x["prefill"]
+    ]
+    assert chunks_of_b == [6, 15, 1]
+    small = python_scheduler_steps(16, 4, 8, 16, PAGE_REQUESTS)
+    assert [(st["step"], st["preempted"]) for st in small if st["preempted"]] == [(5, [3])]
+    a_b_done = max(st["step"] for st in small if set(st["finished"]) & {0, 1})
+    back = [
+        (st["step"], x["tokens"])
+        for st in small if st["step"] > 5
+        for x in st["scheduled"] if x["id"] == 3 and x["prefill"]
+    ]
+    assert back[0][0] == a_b_done + 1 and [t for _, t in back] == [15, 2]  # 16 + 1 tokens
+    assert js_scheduler_steps([(24, 4, 8, 16, PAGE_REQUESTS), (16, 4, 8, 16, PAGE_REQUESTS)]) == [
+        default, small
+    ]
