@@ -9,6 +9,7 @@ import gc
 import math
 import os
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,6 +33,7 @@ from ..utils.memory import kv_cache_bytes_per_token
 CPU_KV_BUDGET_BYTES = 256 << 20
 GPU_HEADROOM_BYTES = 1 << 30  # left free after sizing: CUDA graphs, library workspaces
 WATCH_SECONDS = 0.1  # how often rank 0, waiting for a step of several ranks, checks they live
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}  # array's codes for the packed tensors
 
 
 def kv_block_bytes(config: Config) -> int:
@@ -258,13 +260,18 @@ class _RunnerBase:
 class _RunnerPacking(_RunnerBase):
     """Packing scheduled sequences into the step's tensors and its attention layout."""
 
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A CPU list as a tensor on the runner's device (pinned, non-blocking copy on GPU)."""
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A flat list of ints as a tensor on the runner's device (pinned, non-blocking on GPU).
+
+        Through array + frombuffer: about three times faster than torch.tensor on a long list."""
+        t = (
+            torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
+            if values
+            else torch.empty(0, dtype=dtype)
+        )
         if self.device.type == "cuda":
-            return torch.tensor(values, dtype=dtype, pin_memory=True).to(
-                self.device, non_blocking=True
-            )
-        return torch.tensor(values, dtype=dtype)
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         """Block tables padded with -1 to the longest: [num_seqs, max_blocks]."""
@@ -311,20 +318,19 @@ class _RunnerPacking(_RunnerBase):
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack one new token per sequence; publish slots, context lengths and block tables."""
         b, width = self.block_size, max(len(seq.block_table) for seq in seqs)
-        rows = [
-            [
-                seq.last_token, seq.num_tokens - 1,
-                seq.block_table[-1] * b + (seq.num_tokens - 1) % b, seq.num_tokens,
-                *seq.block_table, *[-1] * (width - len(seq.block_table)),
-            ]
-            for seq in seqs
-        ]
+        flat: list[int] = []  # row by row: token, position, slot, context length, block table
+        for seq in seqs:
+            n, table = seq.num_tokens, seq.block_table
+            flat += (seq.last_token, n - 1, table[-1] * b + (n - 1) % b, n)
+            flat += table
+            if len(table) < width:
+                flat += [-1] * (width - len(table))
         # [B, 4 + max_blocks]: one host-to-device copy per step
-        packed = self._tensor(rows, torch.int64)
+        packed = self._tensor(flat, torch.int64).view(len(seqs), 4 + width)
         self.step.set(
             is_prefill=False, slot_mapping=packed[:, 2].contiguous(),
-            max_seqlen_k=max(r[3] for r in rows), context_lens=packed[:, 3].to(torch.int32),
-            block_tables=packed[:, 4:].to(torch.int32),
+            max_seqlen_k=max(seq.num_tokens for seq in seqs),
+            context_lens=packed[:, 3].to(torch.int32), block_tables=packed[:, 4:].to(torch.int32),
         )
         return packed[:, 0].contiguous(), packed[:, 1].contiguous()  # input_ids [B], positions [B]
 
