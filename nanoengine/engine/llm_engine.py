@@ -426,9 +426,8 @@ class _EngineSteps(_EngineRequests):
         return self.scheduler.is_finished() and self._in_flight is None
 
 # %% ../../notebooks/10_llm_engine.ipynb #502d978c
-class LLMEngine(_EngineSteps):
-    """The engine: validates requests, runs schedule → forward → postprocess steps, returns
-    ordered results."""
+class _EngineGenerate(_EngineSteps):
+    """generate: queue every request, step until all are finished, return ordered results."""
 
     def _decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -497,6 +496,11 @@ class LLMEngine(_EngineSteps):
             bar.close()
         return [self._output(seq) for seq in seqs]
 
+
+# %% ../../notebooks/10_llm_engine.ipynb #f6ed2dfb
+class _EngineStream(_EngineGenerate):
+    """stream: the same loop, yielding each request's new tokens and text after every step."""
+
     def stream(
         self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
     ) -> Iterator[StreamEvent]:
@@ -542,6 +546,12 @@ class LLMEngine(_EngineSteps):
                 i, seq.completion_token_ids[num_sent:n], new_text, seq.is_finished,
                 seq.finish_reason,
             )
+
+
+# %% ../../notebooks/10_llm_engine.ipynb #0ac7158e
+class LLMEngine(_EngineStream):
+    """The engine: validates requests, runs schedule → forward → postprocess steps, returns
+    ordered results."""
 
     def chat(
         self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -605,6 +615,7 @@ def _check_messages(i: int, messages) -> None:
 
 class LLM(LLMEngine):
     """Offline inference: `LLM(model, ...).generate(prompts, SamplingParams(...))`."""
+
 
 # %% ../../notebooks/10_llm_engine.ipynb #af1a4cda
 def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:
