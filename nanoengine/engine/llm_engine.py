@@ -115,14 +115,14 @@ class _EngineBase:
         if self.config.num_kvcache_blocks is not None:
             self._check_kv_pool_fits()
         if self.config.tensor_parallel_size > 1:
-            # one process per rank: chapter 15
+            # one process per rank: chapter 14
             from nanoengine.engine.workers import start_tensor_parallel
 
             self.model_runner = start_tensor_parallel(self.config, control_plane)
             # garbage collection or exit without close(): free the CUDA graphs before the group
             weakref.finalize(self, self.model_runner.close)
         else:
-            with tp_world(0, 1):  # one rank, whatever process group this process has (chapter 15a)
+            with tp_world(0, 1):  # one rank, whatever process group this process has (page 14.1)
                 self.model_runner = ModelRunner(self.config)
         # several ranks plan ahead only if each step's tokens reach every rank's device (09.3)
         self.model_runner.share_tokens = self.async_scheduling

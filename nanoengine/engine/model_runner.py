@@ -126,7 +126,7 @@ class _RunnerBase:
             choose_gemv([m.weight for m in self.model.modules() if isinstance(m, LinearBase)])
             if self.device.type == "cuda"
             else {}
-        )  # per shape: cuBLAS or the Triton kernel (chapter 11a)
+        )  # per shape: cuBLAS or the Triton kernel (chapter 11.1)
         self.backend = get_attention_backend(
             self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
             shape=(first.num_heads, first.num_kv_heads, first.head_dim),
