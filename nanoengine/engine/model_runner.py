@@ -82,76 +82,9 @@ class LaunchedStep:
     ready: "torch.cuda.Event | None"  # None when nothing is asynchronous (CPU)
 
 # %% ../../notebooks/09_model_runner.ipynb #7300eaec
-class _RunnerBase:
-    """The runner's start-up and memory: model, weights, attention backend, KV pool, CUDA graphs."""
-
-    def __init__(self, config: Config, rank: int = 0, local_rank: int | None = None):
-        self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
-        if (tp_size(), tp_rank()) != (self.world_size, rank):
-            raise RuntimeError(
-                f"this process is rank {tp_rank()} of a process group of {tp_size()}, but the "
-                "runner "
-                f"was asked to be rank {rank} of tensor_parallel_size={self.world_size}; a "
-                "tensor-parallel engine needs its own process group (close any other one first)"
-            )
-        self.device = rank_device(config.device, rank if local_rank is None else local_rank)
-        self.dtype = config.dtype
-        self.closed = False
-        self.block_size = config.kvcache_block_size
-        # on rank 0 of several: the handle that drives the other ranks (tensor-parallel chapter)
-        self.driver = None
-        # several ranks with async scheduling: each step's tokens are broadcast to every rank
-        self.share_tokens = False
-        self.shared_tokens: torch.Tensor | None = None  # [B] the last step's tokens, on the device
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.cuda.empty_cache()  # memory a closed engine left cached counts as free again
-            self.baseline_bytes = torch.cuda.memory_allocated(self.device)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                self.model = Qwen3ForCausalLM(config.hf_config)
-        finally:
-            torch.set_default_dtype(previous)
-        load_model(self.model, config.model)
-        self.model.eval()
-        # this runner's side channel (section 04.1): no state shared with others
-        self.step = StepContext()
-        bind_step_context(self.model, self.step)
-        self.sampler = Sampler()
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        first = self.attention_layers[0]
-        self.gemv_report = (
-            choose_gemv([m.weight for m in self.model.modules() if isinstance(m, LinearBase)])
-            if self.device.type == "cuda"
-            else {}
-        )  # per shape: cuBLAS or the Triton kernel (chapter 11.1)
-        self.backend = get_attention_backend(
-            self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
-            shape=(first.num_heads, first.num_kv_heads, first.head_dim),
-        )
-        self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
-        self.num_kvcache_blocks = self.allocate_kv_cache()
-        self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = CUDAGraphDecoder(
-                self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                block_size=self.block_size, hidden_size=config.hf_config.hidden_size,
-                dtype=self.dtype, device=self.device, step_context=self.step,
-            )
-
-    def _backend_name(self) -> str:
-        """The attention backend to ask for: FlashAttention computes only in float16/bfloat16."""
-        name = self.config.attention_backend
-        if self.dtype not in (torch.float16, torch.bfloat16):
-            if name == "flash":
-                raise ValueError(
-                    f"attention_backend='flash' needs dtype float16 or bfloat16, got {self.dtype}"
-                )
-            if name == "auto":
-                return "torch"
-        return name
+class _RunnerMemory:
+    """The runner's memory: a worst-case step measured, the KV pool sized and bound, all of it
+    given back by close()."""
 
     def warmup(self) -> int:
         """Run the largest prefill the scheduler can produce; return its peak activation memory in
@@ -255,6 +188,80 @@ class _RunnerBase:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # hand the cached blocks back to the driver
+
+
+# %% ../../notebooks/09_model_runner.ipynb #b369c217
+class _RunnerBase(_RunnerMemory):
+    """The runner's start-up: model, weights, side channel, attention backend, pool, CUDA graphs."""
+
+    def __init__(self, config: Config, rank: int = 0, local_rank: int | None = None):
+        self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
+        if (tp_size(), tp_rank()) != (self.world_size, rank):
+            raise RuntimeError(
+                f"this process is rank {tp_rank()} of a process group of {tp_size()}, but the "
+                "runner "
+                f"was asked to be rank {rank} of tensor_parallel_size={self.world_size}; a "
+                "tensor-parallel engine needs its own process group (close any other one first)"
+            )
+        self.device = rank_device(config.device, rank if local_rank is None else local_rank)
+        self.dtype = config.dtype
+        self.closed = False
+        self.block_size = config.kvcache_block_size
+        # on rank 0 of several: the handle that drives the other ranks (tensor-parallel chapter)
+        self.driver = None
+        # several ranks with async scheduling: each step's tokens are broadcast to every rank
+        self.share_tokens = False
+        self.shared_tokens: torch.Tensor | None = None  # [B] the last step's tokens, on the device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()  # memory a closed engine left cached counts as free again
+            self.baseline_bytes = torch.cuda.memory_allocated(self.device)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = Qwen3ForCausalLM(config.hf_config)
+        finally:
+            torch.set_default_dtype(previous)
+        load_model(self.model, config.model)
+        self.model.eval()
+        # this runner's side channel (section 04.1): no state shared with others
+        self.step = StepContext()
+        bind_step_context(self.model, self.step)
+        self.sampler = Sampler()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        first = self.attention_layers[0]
+        self.gemv_report = (
+            choose_gemv([m.weight for m in self.model.modules() if isinstance(m, LinearBase)])
+            if self.device.type == "cuda"
+            else {}
+        )  # per shape: cuBLAS or the Triton kernel (chapter 11.1)
+        self.backend = get_attention_backend(
+            self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
+            shape=(first.num_heads, first.num_kv_heads, first.head_dim),
+        )
+        self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
+        self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = CUDAGraphDecoder(
+                self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                block_size=self.block_size, hidden_size=config.hf_config.hidden_size,
+                dtype=self.dtype, device=self.device, step_context=self.step,
+            )
+
+    def _backend_name(self) -> str:
+        """The attention backend to ask for: FlashAttention computes only in float16/bfloat16."""
+        name = self.config.attention_backend
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            if name == "flash":
+                raise ValueError(
+                    f"attention_backend='flash' needs dtype float16 or bfloat16, got {self.dtype}"
+                )
+            if name == "auto":
+                return "torch"
+        return name
+
 
 # %% ../../notebooks/09_model_runner.ipynb #ec2fb850
 class _RunnerPacking(_RunnerBase):
