@@ -13,28 +13,14 @@ import pytest
 import torch
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.utils.checkpoint import write_random_checkpoint
+# the same bf16 checkpoint (4 query and 2 KV heads: two ranks split them), prompts and near-tie bound as one GPU
+from test_gpu import NEAR_TIE, ckpt, prompts_with_shared_prefix  # noqa: F401
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 
-NEAR_TIE = 0.125  # the bound of tests/test_gpu.py: bf16 logits near 4 are 1/32 apart, four such steps
 TIGHT = dict(kvcache_block_size=256, num_kvcache_blocks=10, max_num_seqs=13, max_model_len=1024,
              max_num_batched_tokens=512)  # chunked prefill and preemption, as in tests/test_gpu.py
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    # 4 query heads and 2 KV heads split over two ranks; head dim 128 (the trimmed flash-attn build)
-    return write_random_checkpoint(tmp_path_factory.mktemp("gpu2") / "tiny-bf16", "tiny", seed=0,
-                                   tie_word_embeddings=False, dtype="bfloat16", head_dim=128, hidden_size=256)
-
-
-def prompts_with_shared_prefix(n: int = 12, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(3, 380, (300,), generator=g).tolist()
-    return [shared + torch.randint(3, 380, (int(k),), generator=g).tolist()
-            for k in torch.randint(1, 200, (n,), generator=g)]
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
