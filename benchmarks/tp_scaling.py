@@ -2,8 +2,7 @@
 
 Each engine runs in a fresh process (`python -m nanoengine.bench`); then two processes time NCCL all-reduces of the
 sizes a Qwen3-0.6B step sends, eagerly and replayed from a CUDA graph (decode steps replay graphs). Writes one JSON:
-keys `tp1`, `tp2` and `tp2_nccl` (the harness's own result dicts; `tp2_nccl` with NANOENGINE_ONE_SHOT=0, every
-all-reduce through NCCL), `allreduce`, `provenance`.
+keys `tp1` and `tp2` (the harness's own result dicts), `allreduce`, `provenance`.
 
     python3 benchmarks/tp_scaling.py benchmarks/h200x2.json
 """
@@ -25,13 +24,12 @@ HIDDEN, LAYERS = 1024, 28  # Qwen3-0.6B
 BATCHES = [1, 8, 64, 256]
 
 
-def run_bench(tp: int, out: Path, timeout: float, one_shot: bool = True) -> dict:
+def run_bench(tp: int, out: Path, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "nanoengine.bench", "--throughput", "--latency", "--profile",
            "--engine-json", json.dumps({"tensor_parallel_size": tp}), "--out", str(out)]
     print(" ".join(cmd), flush=True)
     t0 = time.monotonic()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "NANOENGINE_ONE_SHOT": "1" if one_shot else "0"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     subprocess.run(cmd, check=True, timeout=timeout, cwd=REPO, env=env)
     result = json.loads(out.read_text())
     result["process_seconds"] = round(time.monotonic() - t0, 1)  # start-up, runs and exit together
@@ -143,21 +141,18 @@ def main() -> None:
     result = {"provenance": provenance()}
     result["provenance"]["num_gpus"] = torch.cuda.device_count()
     with tempfile.TemporaryDirectory() as tmp:
-        # tp2: with the one-shot all-reduce (the default); tp2_nccl: every all-reduce through NCCL
-        for key, tp, one_shot in (("tp1", 1, True), ("tp2", 2, True), ("tp2_nccl", 2, False)):
-            result[key] = run_bench(tp, Path(tmp) / f"{key}.json", args.timeout, one_shot)
+        for tp in (1, 2):
+            result[f"tp{tp}"] = run_bench(tp, Path(tmp) / f"tp{tp}.json", args.timeout)
             Path(args.out).write_text(json.dumps(result, indent=2))
     if not args.skip_allreduce:
         result["allreduce"] = time_allreduces()
-    for key in ("tp2", "tp2_nccl"):
-        t1, t2 = result["tp1"], result[key]
-        result[f"{key}_over_tp1"] = {
-            "throughput": round(t2["throughput"]["output_tok_per_s"] / t1["throughput"]["output_tok_per_s"], 3),
-            "batch1_ms_per_token": round(t2["latency"]["ms_per_token"] / t1["latency"]["ms_per_token"], 3),
-        }
+    t1, t2 = result["tp1"], result["tp2"]
+    result["tp2_over_tp1"] = {
+        "throughput": round(t2["throughput"]["output_tok_per_s"] / t1["throughput"]["output_tok_per_s"], 3),
+        "batch1_ms_per_token": round(t2["latency"]["ms_per_token"] / t1["latency"]["ms_per_token"], 3),
+    }
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["tp2_over_tp1"]), json.dumps(result["tp2_nccl_over_tp1"]),
-          json.dumps(result.get("allreduce", {})))
+    print(json.dumps(result["tp2_over_tp1"]), json.dumps(result.get("allreduce", {})))
 
 
 if __name__ == "__main__":

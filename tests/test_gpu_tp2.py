@@ -52,7 +52,6 @@ def test_tp2_bf16_greedy_is_tp1_up_to_near_ties_with_graphs_async_chunking_prefi
     with LLM(ckpt, tensor_parallel_size=2, **TIGHT) as tp2:
         runner = tp2.model_runner
         assert runner.graphs is not None and runner.share_tokens
-        assert runner.fast_all_reduce is not None, runner.driver.one_shot_refusal
         two = generate(tp2, prompts)
         again = generate(tp2, prompts)  # warm prefix cache
         trace = list(tp2.trace)
@@ -80,22 +79,6 @@ def test_tp2_cuda_graphs_equal_eager_token_for_token(ckpt):
         assert graphs.model_runner.graphs.buckets[-1] == 13
         assert generate(graphs, prompts) == expected
         assert sum(r.num_preempted for r in graphs.trace) > 0
-
-
-def test_tp2_one_shot_all_reduce_changes_the_speed_and_nothing_else(ckpt, monkeypatch):
-    """Two ranks: each sum is one bf16 addition rounded once, by NCCL or by the one-shot kernel: identical tokens."""
-    prompts = prompts_with_shared_prefix()
-    monkeypatch.setenv("NANOENGINE_ONE_SHOT", "0")  # the workers inherit it
-    with LLM(ckpt, tensor_parallel_size=2, **TIGHT) as nccl:
-        assert nccl.model_runner.fast_all_reduce is None
-        assert "NANOENGINE_ONE_SHOT=0" in nccl.model_runner.driver.one_shot_refusal
-        expected = generate(nccl, prompts)
-    monkeypatch.delenv("NANOENGINE_ONE_SHOT")
-    for eager in (True, False):
-        with LLM(ckpt, tensor_parallel_size=2, enforce_eager=eager, **TIGHT) as one_shot:
-            assert one_shot.model_runner.fast_all_reduce is not None
-            assert generate(one_shot, prompts) == expected, f"enforce_eager={eager}"
-            assert sum(r.num_preempted for r in one_shot.trace) > 0
 
 
 def run_script(tmp_path: Path, body: str, timeout: float) -> tuple[str, float]:

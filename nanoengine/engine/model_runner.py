@@ -33,7 +33,6 @@ from ..utils.memory import kv_cache_bytes_per_token
 CPU_KV_BUDGET_BYTES = 256 << 20
 GPU_HEADROOM_BYTES = 1 << 30  # left free after sizing: CUDA graphs, library workspaces
 WATCH_SECONDS = 0.1  # how often rank 0, waiting for a step of several ranks, checks they live
-_ABANDONED: list = []  # buffers a kernel waiting for a dead rank may still read (chapter 14)
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}  # array's codes for the packed tensors
 
 
@@ -185,12 +184,8 @@ class _RunnerMemory:
         self.kv_cache = self.graphs = self.model = self.sampler = self.backend = None
         self.shared_tokens = None
         self.step.reset()
-        stuck = self.driver is not None and self.driver.failed_on_gpu
-        if stuck:  # a kernel may wait forever for a dead peer: keep what it reads, never wait
-            _ABANDONED.append(self.fast_all_reduce)
-        self.fast_all_reduce = None
         gc.collect()  # the model's modules refer to each other: free them now
-        if self.device.type == "cuda" and not stuck:
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # hand the cached blocks back to the driver
 
@@ -199,10 +194,7 @@ class _RunnerMemory:
 class _RunnerBase(_RunnerMemory):
     """The runner's start-up: model, weights, side channel, attention backend, pool, CUDA graphs."""
 
-    def __init__(
-        self, config: Config, rank: int = 0, local_rank: int | None = None,
-        fast_all_reduce: Callable | None = None,
-    ):
+    def __init__(self, config: Config, rank: int = 0, local_rank: int | None = None):
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         if (tp_size(), tp_rank()) != (self.world_size, rank):
             raise RuntimeError(
@@ -236,11 +228,6 @@ class _RunnerBase(_RunnerMemory):
         # this runner's side channel (section 04.1): no state shared with others
         self.step = StepContext()
         bind_step_context(self.model, self.step)
-        # several GPUs: the row-parallel layers' sums take chapter 14's one-shot path where it fits
-        self.fast_all_reduce = fast_all_reduce
-        for module in self.model.modules():
-            if hasattr(module, "fast_all_reduce"):
-                module.fast_all_reduce = fast_all_reduce
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]

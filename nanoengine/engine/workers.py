@@ -33,7 +33,6 @@ from nanoengine.engine.channels import (
 )
 from .llm_engine import CONTROL_PLANES
 from .model_runner import ModelRunner, rank_device
-from ..utils.dist import start_one_shot_all_reduce
 
 TIMEOUT = timedelta(minutes=10)  # start-up, and any one collective of a forward pass
 EXIT_SECONDS = 10.0  # how long close() waits for workers to leave on their own
@@ -109,8 +108,7 @@ def serve_model(
     rank: int, local_rank: int, receive: Callable[[], tuple | None], config: Config
 ) -> None:
     """A worker's job in an engine: build this rank's shard, then run rank 0's steps."""
-    reducer, _ = start_one_shot_all_reduce(rank_device(config.device, local_rank))
-    runner = ModelRunner(config, rank, local_rank, fast_all_reduce=reducer)
+    runner = ModelRunner(config, rank, local_rank)
     try:
         runner.serve(receive)
     finally:
@@ -279,7 +277,6 @@ class _WorkerStart:
             )
         self.world_size, self.device, self.control_plane = world_size, device, control_plane
         self.local_rank = 0
-        self.one_shot_refusal = ""  # why the runner sums without the one-shot all-reduce, if so
         self.res = _Resources(num_threads=torch.get_num_threads(), on_gpu=device.type == "cuda")
         self._finalizer = weakref.finalize(self, _release, self.res)
         try:
@@ -470,11 +467,6 @@ class WorkerGroup(_WorkerStart):
         """Ask the workers to exit, wait, remove the shared memory, leave the group; idempotent."""
         self._finalizer()
 
-    @property
-    def failed_on_gpu(self) -> bool:
-        """Whether a step on GPUs failed: this rank's stream may then never finish."""
-        return self.res.failure is not None and self.res.on_gpu
-
 
 # %% ../../notebooks/15a_worker_group.ipynb #ca78dbac
 def start_tensor_parallel(config: Config, control_plane: str = "shm") -> ModelRunner:
@@ -484,10 +476,7 @@ def start_tensor_parallel(config: Config, control_plane: str = "shm") -> ModelRu
         config.tensor_parallel_size, config.device, control_plane, serve_model, (config,)
     )
     try:
-        device = rank_device(config.device, group.local_rank)
-        # collective: the workers ask too, before building their runners (chapter 14, section 4)
-        reducer, group.one_shot_refusal = start_one_shot_all_reduce(device)
-        runner = ModelRunner(config, 0, group.local_rank, fast_all_reduce=reducer)
+        runner = ModelRunner(config, 0, group.local_rank)
     except BaseException as e:
         group.failed(e)
         raise

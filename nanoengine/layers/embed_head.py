@@ -34,7 +34,6 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
-        self.fast_all_reduce = None  # a faster sum on GPUs, set by the runner (chapter 14)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
@@ -55,8 +54,7 @@ class VocabParallelEmbedding(nn.Module):
         mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
         # [N, D]; foreign ids read row 0
         y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)
-        # zero the foreign rows, then sum
-        return all_reduce(y * mask.unsqueeze(1), self.fast_all_reduce)
+        return all_reduce(y * mask.unsqueeze(1))  # zero the foreign rows, then sum
 
 
 class ParallelLMHead(VocabParallelEmbedding):

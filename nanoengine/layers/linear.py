@@ -186,7 +186,6 @@ class RowParallelLinear(LinearBase):
             divide(input_size, tp_size(), "input_size"),
             check_int("output_size", output_size, minimum=1), bias, tp_dim=1,
         )
-        self.fast_all_reduce = None  # a faster sum on GPUs, set by the runner (chapter 14)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
@@ -209,6 +208,4 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [N, in/P] -> partial [N, out]
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size == 1:  # the size it was built for
-            return y
-        return all_reduce(y, self.fast_all_reduce)
+        return all_reduce(y) if self.tp_size > 1 else y  # the size it was built for
