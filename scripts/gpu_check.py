@@ -63,15 +63,20 @@ def provenance() -> dict:
             "transformers": version_of("transformers")}
 
 
-def _pytest(args: list[str], timeout: float, log) -> dict:
-    """One pytest run: counts and failing test names from its JUnit report; SIGINT at the time limit."""
+def _pytest(args: list[str], timeout: float, log, threads: int | None = None) -> dict:
+    """One pytest run: counts and failing test names from its JUnit report; SIGINT at the time limit.
+
+    `threads`: CPU threads per test process (OMP_NUM_THREADS), so that parallel workers do not oversubscribe."""
     report = ROOT / f".gpu_check_junit_{os.getpid()}.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=25", "-rfE",
            "--tb=short", f"--junitxml={report}", *args]
     log.write(f"$ {' '.join(cmd[1:])}\n")
     log.flush()
     start = log.tell()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = os.environ.copy()
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         proc.wait(timeout=max(1.0, timeout))
         timed_out = False
@@ -120,13 +125,15 @@ def run_tests(timeout: float, extra: list[str], workers: int, log_path: Path, di
     counts summed."""
     ignored = {path: f"needs {module}" for path, module in NEEDS.items() if importlib.util.find_spec(module) is None}
     rest = [f"--ignore={path}" for path in ignored] + [f"--ignore={path}" for path in GPU_TESTS]
+    threads = None
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
         rest += ["-n", str(workers), "--dist", dist]
+        threads = max(1, (os.cpu_count() or 2) // workers)  # 16 workers of 16 threads each on 16 cores crawl
     t0 = time.perf_counter()
     none = {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "timed_out": False}
     with open(log_path, "w") as log:
         gpu = _pytest([*GPU_TESTS, *extra], timeout / 2, log) if gpu_tests != "none" else none
-        other = _pytest(["tests", *rest, *extra], timeout - (time.perf_counter() - t0), log) \
+        other = _pytest(["tests", *rest, *extra], timeout - (time.perf_counter() - t0), log, threads) \
             if gpu_tests != "only" else none
     print(log_path.read_text()[-6000:])
     return {key: gpu[key] + other[key] for key in ("passed", "failed", "skipped", "failures")} | {
