@@ -62,8 +62,14 @@ def reference(ckpt):
 
 
 def our_shm() -> set[str]:
-    """Shared-memory segments and multiprocessing semaphores currently in /dev/shm."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith(("nanoengine-", "sem.mp-"))}
+    """This process's shared-memory segments in /dev/shm, and every multiprocessing semaphore there.
+
+    Semaphore names do not say whose they are: beside other pytest-xdist workers (whose engines come and go) only
+    the segments, named after the process that made them, can be told apart, so only they are counted there."""
+    segments = {n for n in os.listdir("/dev/shm") if n.startswith(f"nanoengine-{os.getpid()}-")}
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return segments
+    return segments | {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
 
 
 def process_exists(pid: int) -> bool:
