@@ -200,6 +200,8 @@ def _leave_group(abort: bool) -> bool:
     not finish within EXIT_SECONDS (ABORT_SECONDS for an abort)."""
 
     def leave() -> None:
+        # held by this frame: if NCCL stalls, the group's destructor must not run (and stall) at exit
+        group = dist.group.WORLD  # noqa: F841
         try:
             if abort and hasattr(dist.distributed_c10d, "_abort_process_group"):
                 dist.distributed_c10d._abort_process_group()  # also ends a collective in flight
