@@ -200,7 +200,7 @@ def _leave_group(abort: bool) -> bool:
     not finish within EXIT_SECONDS (ABORT_SECONDS for an abort)."""
 
     def leave() -> None:
-        # held by this frame: if NCCL stalls, the group's destructor must not run (and stall) at exit
+        # held by this frame: if NCCL stalls, the group's destructor must not stall the exit too
         group = dist.group.WORLD  # noqa: F841
         try:
             if abort and hasattr(dist.distributed_c10d, "_abort_process_group"):
