@@ -62,7 +62,7 @@ def check_tensor_parallel(config: Config) -> None:
                 f"{count}"
             )
 
-
+# %% ../../notebooks/15a_worker_group.ipynb #1ce117c7
 def _usable_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -104,7 +104,7 @@ def launched_by_torchrun() -> bool:
     """Whether the standard rendezvous variables (which torchrun sets) are present."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
-
+# %% ../../notebooks/15a_worker_group.ipynb #04c158c8
 def serve_model(
     rank: int, local_rank: int, receive: Callable[[], tuple | None], config: Config
 ) -> None:

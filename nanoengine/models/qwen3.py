@@ -42,7 +42,7 @@ def qk_norm_rope(
         apply_rotary_emb.eager(rms_norm.eager(k, k_weight, eps), cos, sin),
     )
 
-
+# %% ../../notebooks/05_qwen3.ipynb #4c1502d1
 class Qwen3Attention(nn.Module):
     """Fused QKV projection, optional QK-norm, RoPE, causal attention over the packed batch, output
     projection."""
@@ -98,7 +98,7 @@ class Qwen3Attention(nn.Module):
         o = self.attn(q, k, v)  # [N, Hq, D]
         return self.o_proj(o.flatten(1, -1))  # [N, hidden]
 
-
+# %% ../../notebooks/05_qwen3.ipynb #6e261e47
 class Qwen3MLP(nn.Module):
     """SwiGLU: fused gate/up projection, silu(gate) * up, down projection."""
 
@@ -116,7 +116,7 @@ class Qwen3MLP(nn.Module):
         """[N, hidden] -> [N, hidden]."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [N, 2I] -> [N, I] -> [N, hidden]
 
-
+# %% ../../notebooks/05_qwen3.ipynb #19cb5da6
 class Qwen3DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks whose residual adds are fused into the following norm."""
 
@@ -147,7 +147,7 @@ class Qwen3DecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
-
+# %% ../../notebooks/05_qwen3.ipynb #98719b46
 class Qwen3Model(nn.Module):
     """Token embedding, decoder layers, final norm."""
 

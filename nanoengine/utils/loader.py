@@ -61,7 +61,7 @@ def _expected_names(params: dict[str, nn.Parameter], mapping: dict) -> dict[str,
             expected[pname] = pname
     return expected
 
-
+# %% ../../notebooks/05c_loader.ipynb #0c693c24
 def _open_checkpoint(file: Path):
     """safe_open(file); a damaged or truncated file is an OSError that names it."""
     try:
@@ -89,7 +89,7 @@ def _shape_ok(param_shape: tuple, shape: tuple, tp: int) -> bool:
         tp > 1 and len(diffs) == 1 and shape[diffs[0]] == tp * param_shape[diffs[0]]
     )
 
-
+# %% ../../notebooks/05c_loader.ipynb #1e6a1e15
 def load_model(model: nn.Module, path: str | os.PathLike) -> None:
     """Fill `model` from every *.safetensors file in `path`; check names and shapes first, naming
     any bad tensor."""
@@ -168,7 +168,7 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
                             f"loading checkpoint tensor {name!r} into {pname!r} failed: {e}"
                         ) from e
 
-
+# %% ../../notebooks/05c_loader.ipynb #59f5c99c
 def _hub_reachable(timeout: float = 3.0) -> bool:
     """False when offline mode is on or the Hub endpoint does not answer a TCP connect within
     `timeout` seconds."""
