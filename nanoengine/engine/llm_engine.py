@@ -110,13 +110,13 @@ class _EngineBase:
             from nanoengine.engine.workers import start_tensor_parallel
 
             self.model_runner = start_tensor_parallel(self.config, control_plane)
+            # several ranks plan ahead only if each step's tokens reach every rank's device
+            self.model_runner.share_tokens = self.async_scheduling
             # garbage collection or exit without close(): free the CUDA graphs before the group
             weakref.finalize(self, self.model_runner.close)
         else:
             with tp_world(0, 1):  # one rank, whatever process group this process has (page 14.1)
                 self.model_runner = ModelRunner(self.config)
-        # several ranks plan ahead only if each step's tokens reach every rank's device (09.3)
-        self.model_runner.share_tokens = self.async_scheduling
         self.config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler.from_config(self.config, self.eos_token_ids)
         self.trace: deque[StepRecord] = deque(maxlen=100_000)
