@@ -91,6 +91,10 @@ def init_tp_group(
     device: torch.device, rank: int, world_size: int, store: dist.Store | None = None
 ) -> None:
     """Join the tensor-parallel process group: NCCL on GPUs, gloo on CPU; via `store` or env://."""
+    if device.type == "cuda":
+        # NCCL connects its channels when the communicator starts, not inside the first
+        # collectives, where the connecting thread can wait on a kernel load that waits on it
+        os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
     if store is None:  # torchrun: MASTER_ADDR/PORT, RANK, WORLD_SIZE
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(
