@@ -28,7 +28,6 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     # planned ahead: row i's input is the token of row source_rows[i] before
     source_rows: list[int] | None = None
-    advanced: list[bool] | None = None  # per row: its sequence moved on to the step planned ahead
     step: int = 0  # the scheduler's step number for this batch (1, 2, ...)
 
 # %% ../../notebooks/03_scheduler.ipynb #0a8e081f
@@ -202,13 +201,13 @@ class Scheduler(SchedulerBase):
                 f"got {len(token_ids)} tokens for a batch of {len(batch.seqs)} sequences"
             )
         finished = []
-        hash_blocks, advanced, eos_token_ids, block_size = (
-            self.block_manager.hash_blocks, batch.advanced, self.eos_token_ids, self.block_size,
+        hash_blocks, eos_token_ids, block_size = (
+            self.block_manager.hash_blocks, self.eos_token_ids, self.block_size,
         )
-        for row, (seq, token_id) in enumerate(zip(batch.seqs, token_ids)):
+        for seq, token_id in zip(batch.seqs, token_ids):
             if seq.status is _FINISHED:
                 continue  # aborted, or stopped while this step was in flight: its token is dropped
-            if advanced is not None and advanced[row]:
+            if seq.last_token == PENDING_TOKEN:
                 # planned ahead (section 6): the placeholder becomes the real token
                 seq.token_ids[-1] = seq.last_token = token_id
             else:
@@ -236,10 +235,12 @@ class Scheduler(SchedulerBase):
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """Plan the decode step after `batch` before its tokens are known; None if it cannot."""
-        if batch.is_prefill or batch.advanced is not None or self.waiting:
+        if batch.is_prefill or self.waiting:
             return None
         alive = [(row, seq) for row, seq in enumerate(batch.seqs) if not seq.is_finished]
-        if not alive or len(alive) != len(self.running):
+        if not alive or len(alive) != len(self.running) or any(
+            seq.last_token == PENDING_TOKEN for _, seq in alive
+        ):  # nothing to plan, someone left out, or planned ahead already
             return None
         going_on = [
             (row, seq)
@@ -252,13 +253,11 @@ class Scheduler(SchedulerBase):
         if not going_on or new_blocks > self.block_manager.num_free_blocks:
             return None
         self.num_steps += 1
-        batch.advanced = [False] * len(batch.seqs)
         for row, seq in going_on:
             self.block_manager.hash_blocks(seq)
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.append_token(PENDING_TOKEN)
             self.block_manager.may_append(seq)
-            batch.advanced[row] = True
         rows = [row for row, _ in going_on]
         return ScheduledBatch(
             [seq for _, seq in going_on], False, len(going_on), source_rows=rows,
