@@ -66,7 +66,7 @@ def resolve_dtype(
         return dtype
     raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
 
-
+# %% ../notebooks/01c_config.ipynb #f6cda40a
 @dataclass(slots=True)
 class Config:
     """Every engine setting, validated at construction."""

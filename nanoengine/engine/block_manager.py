@@ -24,7 +24,7 @@ def hash_block(token_ids: list[int], prefix_hash: int = NO_HASH) -> int:
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.intdigest()
 
-
+# %% ../../notebooks/02_block_manager.ipynb #6c5d3ef3
 @dataclass(slots=True)
 class Block:
     """One KV block: how many sequences use it and, once full, the prefix it completes."""

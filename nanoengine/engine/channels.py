@@ -114,7 +114,7 @@ def remove_stale_segments() -> list[str]:
             pass
     return removed
 
-
+# %% ../../notebooks/15_tensor_parallel.ipynb #be75a4b6
 class ShmChannel:
     """A uniquely named shared-memory segment that rank 0 writes and every worker reads; it grows.
 
@@ -198,7 +198,7 @@ class ShmChannel:
             self.shm = None
         self.ready, self.done = [], []  # their named semaphores vanish with them
 
-
+# %% ../../notebooks/15_tensor_parallel.ipynb #8364d413
 @dataclass(slots=True)
 class ShmReceiver:
     """A worker's view of the shared-memory channel."""

@@ -397,7 +397,7 @@ def _signal_name(code: int) -> str:
     except ValueError:
         return ""
 
-
+# %% ../../notebooks/15a_worker_group.ipynb #feef8985
 class WorkerGroup(_WorkerStart):
     """Rank 0's handle on ranks 1..P-1: their processes, the process group, the control channel."""
 
@@ -476,7 +476,6 @@ class WorkerGroup(_WorkerStart):
     def close(self) -> None:
         """Ask the workers to exit, wait, remove the shared memory, leave the group; idempotent."""
         self._finalizer()
-
 
 # %% ../../notebooks/15a_worker_group.ipynb #3bd52a2b
 WATCH_SECONDS = 0.1  # how often rank 0, waiting for a step of several ranks, checks they live

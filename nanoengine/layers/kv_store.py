@@ -91,7 +91,7 @@ def store_kv_torch(
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
 
-
+# %% ../../notebooks/07_kv_store.ipynb #5e7262c1
 def store_kv_triton(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,

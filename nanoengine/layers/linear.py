@@ -30,7 +30,7 @@ def copy_shard(param: torch.Tensor, shard: torch.Tensor, what: str) -> None:
         )
     param.copy_(shard)
 
-
+# %% ../../notebooks/04_layers.ipynb #a4c86223
 class LinearBase(nn.Module):
     """A linear layer whose parameters load their own shard from a full checkpoint tensor."""
 
@@ -61,7 +61,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)  # [N, in] -> [N, out]
 
-
+# %% ../../notebooks/04_layers.ipynb #fb79dd69
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole matrix."""
 

@@ -77,7 +77,7 @@ class AttentionBackend:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-
+# %% ../../notebooks/08_paged_attention.ipynb #6c4019dd
 class TorchBackend(AttentionBackend):
     """Plain PyTorch on any device: gathers paged K/V, float32 softmax, GQA; decode is loop- and
     sync-free."""
