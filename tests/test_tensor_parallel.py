@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import zlib
 from multiprocessing import resource_tracker
@@ -360,3 +361,47 @@ def test_a_script_without_a_main_guard_is_told_what_to_do(ckpt, tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert "WorkerDiedError" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
     print(last)
+
+
+def _recv_until_closed(endpoint) -> None:
+    """A stand-in worker: read control messages until rank 0 goes away."""
+    end = endpoint.open()
+    while end.recv() is not None:
+        pass
+
+
+def test_shm_send_does_not_hang_when_a_waiting_worker_was_killed():
+    """A worker killed while it waits for a message: rank 0's next sends write at once or raise, never hang.
+
+    (With multiprocessing.Event, `set()` waited for the killed sleeper to acknowledge: 57 s on two H200s.)"""
+    ctx = multiprocessing.get_context("spawn")
+    channel = channels.ShmChannel(1, ctx)
+    worker = ctx.Process(target=_recv_until_closed, args=(channel.endpoint(0),), daemon=True)
+    worker.start()
+    channel.send(("hello",), lambda: None, timeout=60)
+    channel.send(("again",), lambda: None, timeout=60)  # returns once the worker read "hello": it is in recv()
+    time.sleep(0.3)  # asleep on its ready semaphore
+    worker.kill()
+    worker.join(10)
+
+    def check() -> None:
+        if not worker.is_alive():
+            raise RuntimeError("the worker died")
+
+    outcome = []
+
+    def sends() -> None:
+        channel.send(("third",), check, timeout=30)  # "again" was read: this one is written at once
+        outcome.append("written")
+        try:
+            channel.send(("fourth",), check, timeout=30)  # "third" is never read: the check must fire
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    thread = threading.Thread(target=sends, daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "send hung on a worker killed while it waited"
+    assert outcome == ["written", "the worker died"] and time.monotonic() - started < 5
+    channel.close()
