@@ -63,8 +63,65 @@ class StreamEvent:
     finished: bool
     finish_reason: str | None
 
+# %% ../../notebooks/10_llm_engine.ipynb #911f2dba
+class _EngineSetup:
+    """What construction needs besides the runner and the scheduler: tokenizer, stop ids, a pool
+    size check."""
+
+    def _load_tokenizer(self, path: Path):
+        """The checkpoint's tokenizer; None, with a warning, when it has no tokenizer files."""
+        files = [path / name for name in TOKENIZER_FILES] + list(path.glob("*.tiktoken"))
+        if not any(file.is_file() for file in files):
+            warnings.warn(
+                f"model directory {str(path)!r} has no tokenizer "
+                f"({' or '.join(TOKENIZER_FILES)}): this engine takes prompts as "
+                "token-id lists only, and its outputs have no text",
+                stacklevel=3,
+            )
+            return None
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if len(tokenizer) > self.vocab_size:
+            warnings.warn(
+                f"the tokenizer has {len(tokenizer)} token ids but the model's "
+                f"vocabulary has {self.vocab_size}: text that encodes to an id >= "
+                f"{self.vocab_size} will be refused",
+                stacklevel=3,
+            )
+        return tokenizer
+
+    def _eos_token_ids(self, path: Path) -> tuple[int, ...]:
+        """Stop ids from the generation config (when the checkpoint has one) and the tokenizer."""
+        ids = set()
+        file = path / "generation_config.json"
+        if file.is_file():
+            try:
+                eos = GenerationConfig.from_pretrained(path).eos_token_id
+            except Exception as e:
+                raise OSError(
+                    f"{str(file)!r} cannot be read ({type(e).__name__}: {e}); fix or delete it"
+                ) from None
+            eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+                raise ValueError(
+                    f"{str(file)!r}: eos_token_id must be a token id or a list of them, got {eos!r}"
+                )
+            ids.update(eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def _check_kv_pool_fits(self) -> None:
+        """A num_kvcache_blocks the device cannot hold: ValueError before anything is allocated."""
+        cfg = self.config
+        ranks_here = cfg.tensor_parallel_size if cfg.device.type == "cpu" else 1  # they share RAM
+        check_fits_in_memory(
+            f"num_kvcache_blocks={cfg.num_kvcache_blocks} (the KV cache)",
+            cfg.num_kvcache_blocks * kv_block_bytes(cfg) * ranks_here, cfg.device,
+            "lower num_kvcache_blocks, or leave it None to size the pool from free memory",
+        )
+
 # %% ../../notebooks/10_llm_engine.ipynb #c4e061b1
-class _EngineBase:
+class _EngineBase(_EngineSetup):
     """The engine's construction and lifecycle: settings, tokenizer, stop ids, runner, scheduler."""
 
     def __init__(
@@ -120,58 +177,6 @@ class _EngineBase:
         self.config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler.from_config(self.config, self.eos_token_ids)
         self.trace: deque[StepRecord] = deque(maxlen=100_000)
-
-    def _load_tokenizer(self, path: Path):
-        """The checkpoint's tokenizer; None, with a warning, when it has no tokenizer files."""
-        files = [path / name for name in TOKENIZER_FILES] + list(path.glob("*.tiktoken"))
-        if not any(file.is_file() for file in files):
-            warnings.warn(
-                f"model directory {str(path)!r} has no tokenizer "
-                f"({' or '.join(TOKENIZER_FILES)}): this engine takes prompts as "
-                "token-id lists only, and its outputs have no text",
-                stacklevel=3,
-            )
-            return None
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if len(tokenizer) > self.vocab_size:
-            warnings.warn(
-                f"the tokenizer has {len(tokenizer)} token ids but the model's "
-                f"vocabulary has {self.vocab_size}: text that encodes to an id >= "
-                f"{self.vocab_size} will be refused",
-                stacklevel=3,
-            )
-        return tokenizer
-
-    def _eos_token_ids(self, path: Path) -> tuple[int, ...]:
-        """Stop ids from the generation config (when the checkpoint has one) and the tokenizer."""
-        ids = set()
-        file = path / "generation_config.json"
-        if file.is_file():
-            try:
-                eos = GenerationConfig.from_pretrained(path).eos_token_id
-            except Exception as e:
-                raise OSError(
-                    f"{str(file)!r} cannot be read ({type(e).__name__}: {e}); fix or delete it"
-                ) from None
-            eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
-                raise ValueError(
-                    f"{str(file)!r}: eos_token_id must be a token id or a list of them, got {eos!r}"
-                )
-            ids.update(eos)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
-
-    def _check_kv_pool_fits(self) -> None:
-        """A num_kvcache_blocks the device cannot hold: ValueError before anything is allocated."""
-        cfg = self.config
-        ranks_here = cfg.tensor_parallel_size if cfg.device.type == "cpu" else 1  # they share RAM
-        check_fits_in_memory(
-            f"num_kvcache_blocks={cfg.num_kvcache_blocks} (the KV cache)",
-            cfg.num_kvcache_blocks * kv_block_bytes(cfg) * ranks_here, cfg.device,
-            "lower num_kvcache_blocks, or leave it None to size the pool from free memory",
-        )
 
     def _check_open(self) -> None:
         if self.closed:
