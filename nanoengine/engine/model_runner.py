@@ -81,10 +81,10 @@ class LaunchedStep:
     host_ids: torch.Tensor | None  # [B] int64 on the host; valid once `ready` has passed
     ready: "torch.cuda.Event | None"  # None when nothing is asynchronous (CPU)
 
-# %% ../../notebooks/09_model_runner.ipynb #7300eaec
-class _RunnerMemory:
-    """The runner's memory: a worst-case step measured, the KV pool sized and bound, all of it
-    given back by close()."""
+# %% ../../notebooks/09_model_runner.ipynb #681d4cc0
+class _RunnerSizing:
+    """The runner's memory at start-up: a worst-case step measured, the KV pool sized and
+    bound."""
 
     def warmup(self) -> int:
         """Run the largest prefill the scheduler can produce; return its peak activation memory in
@@ -164,6 +164,11 @@ class _RunnerMemory:
             )
         return int(budget // block_bytes)
 
+# %% ../../notebooks/09_model_runner.ipynb #db2716a6
+class _RunnerMemory(_RunnerSizing):
+    """The runner's memory given back: close() frees the pool, the graphs, the weights and the
+    cache."""
+
     def close(self) -> None:
         """Give back every byte (KV pool, graphs, weights); idempotent."""
         if not self.closed:
@@ -200,7 +205,6 @@ class _RunnerMemory:
                 return False
             time.sleep(0.001)
         return True
-
 
 # %% ../../notebooks/09_model_runner.ipynb #b369c217
 class _RunnerBase(_RunnerMemory):

@@ -262,49 +262,9 @@ def _release(res: _Resources) -> None:
     torch.set_num_threads(res.num_threads)
 
 
-# %% ../../notebooks/15a_worker_group.ipynb #eab74163
-class _WorkerStart:
-    """Starting ranks 1..P-1 (spawned here, or joined under torchrun); the first half of
-    WorkerGroup."""
-
-    def __init__(
-        self,
-        world_size: int,
-        device: torch.device,
-        control_plane: str = "shm",
-        job: Callable = serve_model,
-        job_args: tuple = (),
-    ):
-        if control_plane not in CONTROL_PLANES:
-            raise ValueError(
-                f"control_plane must be one of {CONTROL_PLANES}, got {control_plane!r}"
-            )
-        if dist.is_initialized():
-            raise RuntimeError(
-                "this process already has a torch.distributed process group (another "
-                "tensor-parallel engine, or your own init_process_group): close it first, or run "
-                "this engine in another process"
-            )
-        self.world_size, self.device, self.control_plane = world_size, device, control_plane
-        self.local_rank = 0
-        self.res = _Resources(num_threads=torch.get_num_threads(), on_gpu=device.type == "cuda")
-        self._finalizer = weakref.finalize(self, _release, self.res)
-        try:
-            if control_plane == "dist" and launched_by_torchrun():
-                self._join_torchrun(job, job_args)
-            else:
-                self._spawn(job, job_args)
-        except BaseException as e:
-            self.failed(e)
-            raise
-
-    @property
-    def procs(self) -> list:
-        return self.res.procs
-
-    @property
-    def channel(self):
-        return self.res.channel
+# %% ../../notebooks/15a_worker_group.ipynb #a0fd3001
+class _WorkerSpawn:
+    """How the other ranks come to exist: spawned from here, or joined under torchrun."""
 
     def _spawn(self, job: Callable, job_args: tuple) -> None:
         ctx = mp.get_context("spawn")
@@ -385,6 +345,49 @@ class _WorkerStart:
                     )
                 time.sleep(POLL_SECONDS / 4)
 
+# %% ../../notebooks/15a_worker_group.ipynb #7fe47d63
+class _WorkerStart(_WorkerSpawn):
+    """Starting ranks 1..P-1 (spawned here, or joined under torchrun); the first half of
+    WorkerGroup."""
+
+    def __init__(
+        self,
+        world_size: int,
+        device: torch.device,
+        control_plane: str = "shm",
+        job: Callable = serve_model,
+        job_args: tuple = (),
+    ):
+        if control_plane not in CONTROL_PLANES:
+            raise ValueError(
+                f"control_plane must be one of {CONTROL_PLANES}, got {control_plane!r}"
+            )
+        if dist.is_initialized():
+            raise RuntimeError(
+                "this process already has a torch.distributed process group (another "
+                "tensor-parallel engine, or your own init_process_group): close it first, or run "
+                "this engine in another process"
+            )
+        self.world_size, self.device, self.control_plane = world_size, device, control_plane
+        self.local_rank = 0
+        self.res = _Resources(num_threads=torch.get_num_threads(), on_gpu=device.type == "cuda")
+        self._finalizer = weakref.finalize(self, _release, self.res)
+        try:
+            if control_plane == "dist" and launched_by_torchrun():
+                self._join_torchrun(job, job_args)
+            else:
+                self._spawn(job, job_args)
+        except BaseException as e:
+            self.failed(e)
+            raise
+
+    @property
+    def procs(self) -> list:
+        return self.res.procs
+
+    @property
+    def channel(self):
+        return self.res.channel
 
 # %% ../../notebooks/15a_worker_group.ipynb #6410b686
 class WorkerDiedError(RuntimeError):
