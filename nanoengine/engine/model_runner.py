@@ -191,7 +191,7 @@ class _RunnerMemory(_RunnerSizing):
         """Wait at most `seconds` for the work queued on this device; False (with a warning) if it
         is still running, as a collective stalled by a dead rank would be."""
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self.device))  # this engine's device, not the current
         deadline = time.monotonic() + seconds
         while not done.query():
             if time.monotonic() > deadline:
