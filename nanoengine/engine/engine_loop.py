@@ -144,22 +144,9 @@ def apply_command(engine: LLMEngine, live: dict[int, LiveRequest], command: tupl
             future.set_exception(e)
     return kind != "stop"
 
-# %% ../../notebooks/16_serve.ipynb #3e58d644
-class EngineLoop:
-    """A thread that owns one engine: requests enter through a queue, results leave by callbacks."""
-
-    def __init__(self, make_engine: Callable[[], LLMEngine], *, trace_len: int = 10_000):
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._ids = count()
-        self._started = threading.Event()
-        self.error: BaseException | None = None  # why the loop stopped, if it broke
-        self.max_model_len = 0
-        self.thread = threading.Thread(target=self._main, args=(make_engine, trace_len),
-                                       name="engine-loop", daemon=True)
-        self.thread.start()
-        self._started.wait()
-        if self.error is not None:
-            raise self.error
+# %% ../../notebooks/16_serve.ipynb #490baeea
+class _LoopInbox:
+    """The way into an engine loop from any thread: each method only queues a command."""
 
     @property
     def is_alive(self) -> bool:
@@ -195,6 +182,23 @@ class EngineLoop:
         self._inbox.put(command)
         if not self.thread.is_alive():
             self._refuse_commands("the engine loop has stopped")
+
+# %% ../../notebooks/16_serve.ipynb #c62a5785
+class EngineLoop(_LoopInbox):
+    """A thread that owns one engine: requests enter through a queue, results leave by callbacks."""
+
+    def __init__(self, make_engine: Callable[[], LLMEngine], *, trace_len: int = 10_000):
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = count()
+        self._started = threading.Event()
+        self.error: BaseException | None = None  # why the loop stopped, if it broke
+        self.max_model_len = 0
+        self.thread = threading.Thread(target=self._main, args=(make_engine, trace_len),
+                                       name="engine-loop", daemon=True)
+        self.thread.start()
+        self._started.wait()
+        if self.error is not None:
+            raise self.error
 
     def _main(self, make_engine: Callable[[], LLMEngine], trace_len: int) -> None:
         """The engine thread: build the engine, then take commands and step until told to stop."""

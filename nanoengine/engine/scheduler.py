@@ -30,9 +30,9 @@ class ScheduledBatch:
     source_rows: list[int] | None = None
     step: int = 0  # the scheduler's step number for this batch (1, 2, ...)
 
-# %% ../../notebooks/03_scheduler.ipynb #0a8e081f
-class SchedulerBase:
-    """The scheduler's limits, queues and KV pool: admission, abort and preemption."""
+# %% ../../notebooks/03_scheduler.ipynb #3aeee135
+class _SchedulerDoor:
+    """The scheduler's limits, queues and KV pool, and the door requests come in by."""
 
     def __init__(
         self,
@@ -105,6 +105,10 @@ class SchedulerBase:
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
+
+# %% ../../notebooks/03_scheduler.ipynb #7b4c2c3e
+class SchedulerBase(_SchedulerDoor):
+    """Taking requests out again: abort, preemption, and a batch that never ran."""
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request: free its blocks and forget it."""
