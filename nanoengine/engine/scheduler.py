@@ -242,9 +242,7 @@ class Scheduler(SchedulerBase):
         if batch.is_prefill or self.waiting:
             return None
         alive = [(row, seq) for row, seq in enumerate(batch.seqs) if not seq.is_finished]
-        if not alive or len(alive) != len(self.running) or any(
-            seq.last_token == PENDING_TOKEN for _, seq in alive
-        ):  # nothing to plan, someone left out, or planned ahead already
+        if not alive or len(alive) != len(self.running):
             return None
         going_on = [
             (row, seq)
@@ -255,6 +253,8 @@ class Scheduler(SchedulerBase):
             seq.num_tokens == len(seq.block_table) * self.block_size for _, seq in going_on
         )
         if not going_on or new_blocks > self.block_manager.num_free_blocks:
+            return None
+        if going_on[0][1].last_token == PENDING_TOKEN:  # planned ahead from this batch already
             return None
         self.num_steps += 1
         for row, seq in going_on:
