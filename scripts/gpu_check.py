@@ -161,6 +161,7 @@ def merge(paths: list[Path], out: Path) -> dict:
         summary["tests"] = {key: sum(t[key] for t in tests) for key in ("passed", "failed", "skipped", "seconds")}
         summary["tests"] |= {"failures": [f for t in tests for f in t["failures"]],
                              "timed_out": any(t["timed_out"] for t in tests),
+                             "not_run": {k: v for t in tests for k, v in t.get("not_run", {}).items()},
                              "runs": [{k: t.get(k) for k in ("gpu_tests", "workers", "dist", "passed", "failed",
                                                            "skipped", "seconds")} for t in tests]}
     write_summary(summary, out)
