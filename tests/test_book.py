@@ -63,6 +63,11 @@ def simulator_checks() -> list[tuple[str, list[tuple[str, str]], str, str, str]]
 
 # The scheduler stepper's page and defaults (notebook 03's markup): pool blocks, block size, budget, max_num_seqs.
 STEPPER_PAGE = "notebooks/03_scheduler.html"
+WIDE_VIEWPORT = 1440  # a common laptop window, in CSS pixels
+# The first line of every visible code cell that is wider than its box.
+OVERFLOWING_CODE = """() => [...document.querySelectorAll('article div.cell_input pre')]
+    .filter(e => e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1)
+    .map(e => e.innerText.split('\\n')[0].slice(0, 60))"""
 STEPPER_DEFAULTS = (24, 4, 16, 8, [(10, 8), (22, 6), (7, 10), (16, 5)])
 
 
@@ -348,6 +353,15 @@ def test_site_renders_in_headless_chromium(book_build):
                     except PlaywrightTimeout:
                         problems.append(f"{stem}: MathJax left raw TeX in {num_math} formulas")
             print(f"every page opened: {len(stems)}")
+
+            wide = browser.new_page(viewport={"width": WIDE_VIEWPORT, "height": 900})
+            for stem in stems:  # code is written to 100 columns; book/_static/code.css makes it fit
+                wide.goto((HTML / f"{stem}.html").as_uri(), wait_until="load")
+                over = wide.evaluate(OVERFLOWING_CODE)
+                if over:
+                    problems.append(f"{stem}: {len(over)} code cells scroll sideways at "
+                                    f"{WIDE_VIEWPORT} px, the first: {over[0]!r}")
+            wide.close()
 
             page.goto((HTML / MATH_PAGE).as_uri(), wait_until="load")
             try:
