@@ -305,8 +305,8 @@ def run_ablations(
 
 
 # %% ../notebooks/13_benchmarks.ipynb #4b90de8f
-def main(argv: list[str] | None = None) -> dict:
-    """Command line: python -m nanoengine.bench --help."""
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options: what to measure, on which model, on how large a workload."""
     p = argparse.ArgumentParser(
         prog="python -m nanoengine.bench",
         description="Benchmark nanoengine on nano-vllm's workload (random-weight Qwen3).",
@@ -348,6 +348,51 @@ def main(argv: list[str] | None = None) -> dict:
         help="extra LLM(...) keywords as JSON, e.g. '{\"enforce_eager\": true}'",
     )
     p.add_argument("--out", help="write the results as JSON here")
+    return p
+
+# %% ../notebooks/13_benchmarks.ipynb #f2181d16
+def _measure_engine(llm, args: argparse.Namespace) -> dict:
+    """What the engine is, then each measurement `args` asks for on it, printed as it ends."""
+    results: dict = {
+        "engine_info": {
+            "num_kvcache_blocks": llm.config.num_kvcache_blocks,
+            "attention_backend": type(llm.model_runner.backend).__name__,
+            "cuda_graphs": getattr(llm.model_runner, "graphs", None) is not None,
+            "dtype": str(llm.config.dtype),
+            "device": str(llm.config.device),
+            "gemv_report": getattr(llm.model_runner, "gemv_report", {}),
+        }
+    }
+    if args.throughput:
+        results["throughput"] = measure_throughput(
+            llm, args.num_seqs, args.max_input_len, args.max_output_len
+        )
+        print(
+            f"throughput: {results['throughput']['output_tok_per_s']:,.0f} output tok/s "
+            f"({results['throughput']['output_tokens']:,} tokens in "
+            f"{results['throughput']['seconds']:.2f} s)"
+        )
+    if args.latency:
+        results["latency"] = measure_latency(llm)
+        print(f"batch-1 decode: {results['latency']['ms_per_token']:.3f} ms per output token")
+    if args.decode_sweep:
+        results["decode_sweep"] = measure_decode_sweep(llm, [1, 2, 4, 8, 16, 32, 64, 128, 256])
+        print("decode sweep:", json.dumps(results["decode_sweep"]))
+    if args.profile:
+        results["profile"] = measure_step_profile(llm)
+        results["profile_batch1"] = measure_step_profile(llm, batch=1, context=100)
+        for key in ("profile", "profile_batch1"):
+            p = results[key]
+            print(
+                f"{key}: {p['wall_ms_per_step']:.3f} ms per step, "
+                f"{p['gpu_kernel_ms_per_step']:.3f} ms of kernels"
+            )
+    return results
+
+# %% ../notebooks/13_benchmarks.ipynb #b3dd6cc6
+def main(argv: list[str] | None = None) -> dict:
+    """Command line: python -m nanoengine.bench --help."""
+    p = _parser()
     args = p.parse_args(argv)
     on_model = any(
         (args.throughput, args.latency, args.decode_sweep, args.ablations, args.profile)
@@ -369,38 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["model"] = str(model)
     if args.throughput or args.latency or args.decode_sweep or args.profile:
         llm = LLM(model, **engine_kwargs)
-        results["engine_info"] = {
-            "num_kvcache_blocks": llm.config.num_kvcache_blocks,
-            "attention_backend": type(llm.model_runner.backend).__name__,
-            "cuda_graphs": getattr(llm.model_runner, "graphs", None) is not None,
-            "dtype": str(llm.config.dtype),
-            "device": str(llm.config.device),
-            "gemv_report": getattr(llm.model_runner, "gemv_report", {}),
-        }
-        if args.throughput:
-            results["throughput"] = measure_throughput(
-                llm, args.num_seqs, args.max_input_len, args.max_output_len
-            )
-            print(
-                f"throughput: {results['throughput']['output_tok_per_s']:,.0f} output tok/s "
-                f"({results['throughput']['output_tokens']:,} tokens in "
-                f"{results['throughput']['seconds']:.2f} s)"
-            )
-        if args.latency:
-            results["latency"] = measure_latency(llm)
-            print(f"batch-1 decode: {results['latency']['ms_per_token']:.3f} ms per output token")
-        if args.decode_sweep:
-            results["decode_sweep"] = measure_decode_sweep(llm, [1, 2, 4, 8, 16, 32, 64, 128, 256])
-            print("decode sweep:", json.dumps(results["decode_sweep"]))
-        if args.profile:
-            results["profile"] = measure_step_profile(llm)
-            results["profile_batch1"] = measure_step_profile(llm, batch=1, context=100)
-            for key in ("profile", "profile_batch1"):
-                p = results[key]
-                print(
-                    f"{key}: {p['wall_ms_per_step']:.3f} ms per step, "
-                    f"{p['gpu_kernel_ms_per_step']:.3f} ms of kernels"
-                )
+        results.update(_measure_engine(llm, args))
         del llm
     if args.ablations:
         out_dir = Path(tempfile.mkdtemp())
@@ -413,7 +427,6 @@ def _write(results: dict, out: str | None) -> dict:
     if out:
         Path(out).write_text(json.dumps(results, indent=2))
     return results
-
 
 # %% ../notebooks/13_benchmarks.ipynb #a61c0e02
 H200_NUM_KV_BLOCKS = 4390  # the KV pool the engine sized for itself on one H200 (h200.json)

@@ -35,8 +35,8 @@ class Block:
     token_ids: list[int] = field(default_factory=list)
 
 
-class BlockManager:
-    """Paged KV allocator with reference counts, chained-hash prefix caching and lazy eviction."""
+class _BlockPool:
+    """The block records, the free list and the used set; taking one block and giving it back."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = check_power_of_two("block_size", block_size)
@@ -77,6 +77,10 @@ class BlockManager:
         """Put an unused block at the back of the free list, keeping its contents for reuse."""
         self.used_block_ids.remove(block_id)
         self.free_block_ids[block_id] = None
+
+# %% ../../notebooks/02_block_manager.ipynb #c8578378
+class _BlockTables(_BlockPool):
+    """A sequence's whole block table: matching a cached prefix, allocating, deallocating."""
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Blocks that already hold the K/V of the leading full blocks (never the last block)."""
@@ -127,6 +131,10 @@ class BlockManager:
                 self._release_block(block_id)
         seq.block_table = []
         seq.num_cached_tokens = 0
+
+# %% ../../notebooks/02_block_manager.ipynb #c1f4c612
+class BlockManager(_BlockTables):
+    """Paged KV allocator with reference counts, chained-hash prefix caching and lazy eviction."""
 
     def can_append(self, seq: Sequence) -> bool:
         """True when the sequence's newest token has (or can get) a block."""

@@ -151,8 +151,8 @@ class SchedulerBase(_SchedulerDoor):
                 self.preempt(seq)
 
 # %% ../../notebooks/03_scheduler.ipynb #016137b0
-class Scheduler(SchedulerBase):
-    """Continuous batching: all running sequences decode each step, prompts fill the rest."""
+class _SchedulerStep(SchedulerBase):
+    """Choosing a step: a token per running sequence, prompt chunks in the rest."""
 
     def schedule(self) -> ScheduledBatch:
         """The next step: a token per running sequence, prompt chunks in the rest of the budget."""
@@ -198,6 +198,10 @@ class Scheduler(SchedulerBase):
         num_tokens = len(decodes) + sum(seq.num_scheduled_tokens for seq in prefills)
         return ScheduledBatch(seqs, bool(prefills), num_tokens, preempted, step=self.num_steps)
 
+# %% ../../notebooks/03_scheduler.ipynb #45941d87
+class _SchedulerPost(_SchedulerStep):
+    """After the forward pass: sampled tokens applied, full blocks published, finished retired."""
+
     def postprocess(self, batch: ScheduledBatch, token_ids: list[int]) -> list[Sequence]:
         """Apply one sampled token per sequence, publish full blocks, retire finished sequences."""
         if len(token_ids) != len(batch.seqs):
@@ -236,6 +240,10 @@ class Scheduler(SchedulerBase):
         if finished:
             self.running = deque(s for s in self.running if s.status is not _FINISHED)
         return finished
+
+# %% ../../notebooks/03_scheduler.ipynb #d0326634
+class Scheduler(_SchedulerPost):
+    """Continuous batching: all running sequences decode each step, prompts fill the rest."""
 
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """Plan the decode step after `batch` before its tokens are known; None if it cannot."""

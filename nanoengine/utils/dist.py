@@ -87,7 +87,7 @@ def _tp_worker(
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
+# %% ../../notebooks/04g_dist.ipynb #61dfb2c4
 def run_tp_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0) -> list[Any]:
     """Run `fn(*args)` on `world_size` CPU processes joined by gloo; the results in rank order."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -136,7 +136,7 @@ def run_tp_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 6
         raise RuntimeError(f"tensor-parallel rank {rank} of {world_size} failed:\n{errors[rank]}")
     return [pickle.loads(done[r]) for r in range(world_size)]
 
-
+# %% ../../notebooks/04g_dist.ipynb #8a83169e
 def shard_and_run(
     layers: list[Callable[[], nn.Module]],
     weights: dict[str, Any],
