@@ -33,8 +33,8 @@ def bucket_for(buckets: list[int], n: int) -> int:
     return buckets[i]
 
 # %% ../../notebooks/11_cuda_graphs.ipynb #7f6ecfe0
-class CUDAGraphDecoder:
-    """The decode forward as CUDA graphs, one per batch-size bucket, sharing one memory pool."""
+class _GraphBuffers:
+    """The static buffers the decode graphs read and write, sized for the largest bucket."""
 
     def __init__(
         self,
@@ -78,6 +78,10 @@ class CUDAGraphDecoder:
         if bs < SMALL_BATCH and self.short_context < self.max_model_len:
             return [self.max_model_len, self.short_context]
         return [self.max_model_len]
+
+# %% ../../notebooks/11_cuda_graphs.ipynb #2c0f3116
+class CUDAGraphDecoder(_GraphBuffers):
+    """The decode forward as CUDA graphs, one per batch-size bucket, sharing one memory pool."""
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -294,44 +294,8 @@ class _EngineRequests(_EngineBase):
         return seq
 
 # %% ../../notebooks/10_llm_engine.ipynb #ec218073
-class _EngineSteps(_EngineRequests):
-    """One step at a time: schedule, launch, complete, with a step planned ahead when possible."""
-
-    def step(self) -> list[Sequence]:
-        """Complete one step (launching one first if none is in flight); returns finished sequences.
-
-        With async scheduling the decode step after it is planned and launched before its tokens are
-        awaited."""
-        self._check_open()
-        self._abort_deferred()
-        t0 = perf_counter()
-        self._busy = True
-        try:
-            if self._in_flight is None:
-                batch = self.scheduler.schedule()
-                if not batch.seqs:
-                    return []
-                self._in_flight = (batch, self.model_runner.launch(batch.seqs, batch.is_prefill))
-            (batch, launched), self._in_flight = self._in_flight, None
-            ahead = self.scheduler.schedule_ahead(batch) if self._can_plan_ahead() else None
-            if ahead is not None:
-                try:
-                    step = self.model_runner.launch(
-                        ahead.seqs, False, after=launched, source_rows=ahead.source_rows
-                    )
-                    self._in_flight = (ahead, step)
-                except BaseException:
-                    self._complete(batch, launched, t0)  # the placeholders get their real tokens
-                    self.scheduler.unschedule(ahead)
-                    raise
-            return self._complete(batch, launched, t0)
-        finally:
-            self._busy = False
-
-    def _can_plan_ahead(self) -> bool:
-        """Async scheduling is on: the runner takes inputs from a step in flight (on every rank, the
-        tokens being broadcast)."""
-        return self.async_scheduling
+class _EngineCompletion(_EngineRequests):
+    """Completing a launched step: its tokens applied, stop strings checked, the step recorded."""
 
     def _complete(self, batch: ScheduledBatch, launched: LaunchedStep, t0: float) -> list[Sequence]:
         """Wait for a launched step's tokens, apply them, and record the step."""
@@ -369,6 +333,10 @@ class _EngineSteps(_EngineRequests):
             seq.finish_reason = "stop"  # also when the same token reached max_tokens (vLLM's order)
         for seq in [seq for seq in self._stop_checkers if seq.is_finished]:
             del self._stop_checkers[seq]
+
+# %% ../../notebooks/10_llm_engine.ipynb #149a13d2
+class _EngineDrain(_EngineCompletion):
+    """A step in flight completed without another; requests stopped now or after the step."""
 
     def drain(self) -> list[Sequence]:
         """Complete the step in flight, if any, without launching another; returns the sequences
@@ -420,6 +388,46 @@ class _EngineSteps(_EngineRequests):
         self._check_open()
         self._abort_deferred()
         return self.scheduler.is_finished() and self._in_flight is None
+
+# %% ../../notebooks/10_llm_engine.ipynb #caf33507
+class _EngineSteps(_EngineDrain):
+    """One step at a time: schedule, launch, complete, with a step planned ahead when possible."""
+
+    def step(self) -> list[Sequence]:
+        """Complete one step (launching one first if none is in flight); returns finished sequences.
+
+        With async scheduling the decode step after it is planned and launched before its tokens are
+        awaited."""
+        self._check_open()
+        self._abort_deferred()
+        t0 = perf_counter()
+        self._busy = True
+        try:
+            if self._in_flight is None:
+                batch = self.scheduler.schedule()
+                if not batch.seqs:
+                    return []
+                self._in_flight = (batch, self.model_runner.launch(batch.seqs, batch.is_prefill))
+            (batch, launched), self._in_flight = self._in_flight, None
+            ahead = self.scheduler.schedule_ahead(batch) if self._can_plan_ahead() else None
+            if ahead is not None:
+                try:
+                    step = self.model_runner.launch(
+                        ahead.seqs, False, after=launched, source_rows=ahead.source_rows
+                    )
+                    self._in_flight = (ahead, step)
+                except BaseException:
+                    self._complete(batch, launched, t0)  # the placeholders get their real tokens
+                    self.scheduler.unschedule(ahead)
+                    raise
+            return self._complete(batch, launched, t0)
+        finally:
+            self._busy = False
+
+    def _can_plan_ahead(self) -> bool:
+        """Async scheduling is on: the runner takes inputs from a step in flight (on every rank, the
+        tokens being broadcast)."""
+        return self.async_scheduling
 
 # %% ../../notebooks/10_llm_engine.ipynb #502d978c
 class _EngineGenerate(_EngineSteps):
