@@ -242,6 +242,29 @@ def test_cell_tags_and_nbval_markers_survive_nbdev_clean(path):
     )
 
 
+def install_cell_index(cells: list[dict]) -> int:
+    """Where the hosted-runtime install cell belongs: after `#| default_exp`, else first of the code."""
+    first = next(i for i, c in enumerate(cells) if c["cell_type"] == "code")
+    return first + 1 if "".join(cells[first]["source"]).startswith("#| default_exp") else first
+
+
+def test_every_notebook_has_the_same_hidden_install_cell_before_its_code():
+    """A notebook opened on a hosted runtime (Colab) installs nanoengine before its first import."""
+    sources, problems = set(), []
+    for path in NOTEBOOKS:
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        cell = cells[install_cell_index(cells)]
+        source = "".join(cell["source"])
+        if "NANOENGINE_SOURCE" not in source:
+            problems.append(f"{path.name}: no install cell before the first code")
+            continue
+        if "remove-cell" not in cell.get("metadata", {}).get("tags", []):
+            problems.append(f"{path.name}: the install cell is not tagged remove-cell")
+        sources.add(source)
+    assert not problems, "\n".join(problems)
+    assert len(sources) == 1, "the notebooks' install cells differ; keep one text (CONTRIBUTING.md)"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_saved_executed_without_errors(path):
     nb = json.loads(path.read_text(encoding="utf-8"))
