@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib.util
 import json
 import os
@@ -45,6 +46,42 @@ def version_of(module: str) -> str | None:
         return None
 
 
+# The files whose content a check vouches for. A copy of the repository may report another commit to git (the
+# device's copy reports the session's base commit), so the summary records a digest of these files, and --merge
+# names the commit whose files have the same digest.
+CONTENT_DIRS = ("nanoengine", "notebooks", "tests", "scripts")
+CONTENT_SUFFIXES = (".py", ".ipynb")
+
+
+def content_digest(files: dict[str, bytes]) -> str:
+    """One sha256 over the files' paths and contents, in path order."""
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        digest.update(f"{path}\0{hashlib.sha256(files[path]).hexdigest()}\n".encode())
+    return digest.hexdigest()
+
+
+def checked_files() -> dict[str, bytes]:
+    """The content files of this working tree (pyproject.toml and CONTENT_DIRS' .py and .ipynb files)."""
+    files = {"pyproject.toml": (ROOT / "pyproject.toml").read_bytes()}
+    for folder in CONTENT_DIRS:
+        for path in (ROOT / folder).rglob("*"):
+            rel = path.relative_to(ROOT).as_posix()
+            if path.suffix in CONTENT_SUFFIXES and path.is_file() and "__pycache__" not in rel \
+                    and ".ipynb_checkpoints" not in rel:
+                files[rel] = path.read_bytes()
+    return files
+
+
+def commit_files(ref: str) -> dict[str, bytes]:
+    """The same files as `checked_files`, as committed at `ref`."""
+    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", ref, "--", "pyproject.toml", *CONTENT_DIRS],
+                           capture_output=True, text=True, cwd=ROOT, check=True).stdout.split("\n")
+    names = [n for n in names if n == "pyproject.toml" or n.endswith(CONTENT_SUFFIXES)]
+    return {n: subprocess.run(["git", "show", f"{ref}:{n}"], capture_output=True, cwd=ROOT, check=True).stdout
+            for n in names}
+
+
 def provenance() -> dict:
     """The GPU, the commit, the date and the versions this check ran with."""
     import torch
@@ -60,7 +97,7 @@ def provenance() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "triton": version_of("triton"), "flash_attn": version_of("flash_attn"),
-            "transformers": version_of("transformers")}
+            "transformers": version_of("transformers"), "content_sha256": content_digest(checked_files())}
 
 
 def _pytest(args: list[str], timeout: float, log, threads: int | None = None) -> dict:
@@ -141,7 +178,7 @@ def run_tests(timeout: float, extra: list[str], workers: int, log_path: Path, di
         "not_run": ignored, "workers": workers, "dist": dist, "gpu_tests": gpu_tests, "log": str(log_path)}
 
 
-def merge(paths: list[Path], out: Path) -> dict:
+def merge(paths: list[Path], out: Path, match_commit: str | None = None) -> dict:
     """One summary from parts run apart (on different GPUs of one machine, or in two calls) at one commit."""
     parts = [json.loads(path.read_text()) for path in paths]
     commits = sorted({part["provenance"]["commit"] for part in parts})
@@ -153,6 +190,16 @@ def merge(paths: list[Path], out: Path) -> dict:
             raise SystemExit(f"the parts are of commits {commits}, which differ beyond tests/: {changed or diff.stderr}")
     summary = {"provenance": parts[0]["provenance"], "parts": [str(path) for path in paths],
                "part_commits": [part["provenance"]["commit"] for part in parts]}
+    if match_commit:  # every part must have run exactly this commit's files
+        want = content_digest(commit_files(match_commit))
+        ran = [part["provenance"].get("content_sha256") for part in parts]
+        if any(digest != want for digest in ran):
+            raise SystemExit(f"not every part ran {match_commit}'s files: content_sha256 {ran}, "
+                             f"the commit's {want}")
+        full = subprocess.run(["git", "rev-parse", match_commit], capture_output=True, text=True, cwd=ROOT,
+                              check=True).stdout.strip()
+        summary["provenance"] = {**summary["provenance"], "commit": full,
+                                 "commit_note": "content_sha256 equals this commit's (scripts/gpu_check.py --merge)"}
     notebooks = {r["name"]: r for part in parts for r in part.get("notebooks", [])}
     if notebooks:
         summary["notebooks"] = [notebooks[name] for name in sorted(notebooks)]
@@ -242,6 +289,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the GPU tests (run first, alone) with the others, only them, or none of them")
     parser.add_argument("--merge", nargs="+", type=Path, default=None,
                         help="combine summaries written apart (same commit) into --out, and run nothing")
+    parser.add_argument("--commit", default=None,
+                        help="--merge: the commit the parts ran, checked by the files' content_sha256 (a copy of the "
+                             "repository may report another commit to git)")
     parser.add_argument("--tests-log", type=Path, default=ROOT / "_build" / "gpu_check_tests.log")
     parser.add_argument("--deadline", type=float, default=3600,
                         help="seconds for the notebooks part; notebooks not done by then are recorded as failed")
@@ -249,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args(argv)
     if args.merge:
-        summary = merge(args.merge, args.out)
+        summary = merge(args.merge, args.out, args.commit)
         print(f"merged {len(args.merge)} parts: {'OK' if summary['ok'] else 'NOT OK'} -> {args.out}")
         return summary
     if args.one is not None:
