@@ -22,7 +22,7 @@ from .sequence import Sequence
 from ..layers.attention import Attention
 from ..layers.gemv import choose_gemv
 from ..layers.linear import LinearBase
-from ..layers.paged_attention import get_attention_backend
+from ..layers.paged_decode import select_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch
 from ..models.qwen3 import Qwen3ForCausalLM
 from ..utils.context import StepContext, bind_step_context
@@ -247,7 +247,7 @@ class _RunnerBase(_RunnerMemory):
             if self.device.type == "cuda"
             else {}
         )  # per shape: cuBLAS or the Triton kernel (chapter 11.1)
-        self.backend = get_attention_backend(
+        self.backend = select_attention_backend(
             self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
             shape=(first.num_heads, first.num_kv_heads, first.head_dim),
         )
