@@ -250,6 +250,7 @@ ABLATIONS = {
     "all optimisations": {},
     "no async scheduling": {"async_scheduling": False},
     "no Triton GEMV": {"env": {"NANOENGINE_GEMV": "0"}},
+    "no Triton decode": {"env": {"NANOENGINE_PAGED_DECODE": "0"}},
     "no CUDA graphs": {"enforce_eager": True},
     "no torch.compile": {"env": {"NANOENGINE_COMPILE": "0"}},
     "no prefix caching": {"enable_prefix_caching": False},
@@ -328,6 +329,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ablations", action="store_true", help="throughput with each optimisation switched off"
+    )
+    p.add_argument(
+        "--only", action="append", choices=list(ABLATIONS), metavar="RUNG",
+        help="with --ablations: run only this rung (repeatable)",
     )
     p.add_argument(
         "--profile",
@@ -418,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
         del llm
     if args.ablations:
         out_dir = Path(tempfile.mkdtemp())
-        results["ablations"] = run_ablations(model, out_dir, **engine_kwargs)
+        results["ablations"] = run_ablations(model, out_dir, args.only, **engine_kwargs)
     return _write(results, args.out)
 
 

@@ -65,8 +65,9 @@ def test_greedy_equals_transformers_in_bfloat16_up_to_near_ties(ckpt):
 def test_flash_backend_is_chosen_automatically_when_available(ckpt):
     from nanoengine.layers.paged_attention import flash_attn_available
     llm = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=8, max_model_len=512, enforce_eager=True)
-    expected = "FlashBackend" if flash_attn_available() else "TorchBackend"
+    expected = "FlashTritonBackend" if flash_attn_available() else "TorchTritonBackend"
     assert type(llm.model_runner.backend).__name__ == expected
+    llm.close()
     with pytest.raises(ValueError, match="256"):
         LLM(ckpt, kvcache_block_size=16, attention_backend="flash", num_kvcache_blocks=8, max_model_len=512)
 
@@ -105,6 +106,45 @@ def test_flash_decode_with_one_split_equals_the_library_split():
     one = backend.decode(q, k_cache, v_cache, Context(context_lens=lens, block_tables=tables, max_seqlen_k=1000), 0.088)
     lib = backend.decode(q, k_cache, v_cache, Context(context_lens=lens, block_tables=tables), 0.088)
     torch.testing.assert_close(one, lib, atol=1e-2, rtol=0)
+
+
+def test_triton_paged_decode_equals_flash_attn_and_torch_split_or_not_in_a_graph():
+    """paged_decode in bf16, eager and replayed from a CUDA graph, unsplit (many sequences) and split (few), equals
+    the PyTorch backend (float32 softmax) and flash-attn's decode."""
+    from nanoengine.layers.paged_attention import FlashBackend, TorchBackend, flash_attn_available
+    from nanoengine.layers.paged_decode import DECODE_SPLIT_BELOW, paged_decode
+    from nanoengine.utils.context import Context
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 700, 256, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    for num_seqs in (1, 5, DECODE_SPLIT_BELOW // 8 + 3):
+        lens = torch.randint(0, 1024, (num_seqs,), device="cuda", generator=g).int()
+        lens[0] = 1023
+        tables = torch.randperm(700, device="cuda", generator=g)[:num_seqs * 4].int().view(num_seqs, 4)
+        q = torch.randn(num_seqs, 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        ctx = Context(context_lens=lens, block_tables=tables, max_seqlen_k=1023)
+        got = paged_decode(q, k_cache, v_cache, tables, lens, 0.088)
+        torch.testing.assert_close(got, TorchBackend().decode(q, k_cache, v_cache, ctx, 0.088), atol=1e-2, rtol=0)
+        if flash_attn_available():
+            torch.testing.assert_close(got, FlashBackend().decode(q, k_cache, v_cache, ctx, 0.088), atol=1e-2, rtol=0)
+        out = torch.empty_like(got)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(paged_decode(q, k_cache, v_cache, tables, lens, 0.088))
+        graph.replay()
+        torch.testing.assert_close(out, got, atol=0, rtol=0)
+
+
+def test_the_triton_decode_is_selected_unless_switched_off(monkeypatch):
+    from nanoengine.layers.paged_attention import FlashBackend, flash_attn_available
+    from nanoengine.layers.paged_decode import FlashTritonBackend, TorchTritonBackend, select_attention_backend
+    kw = dict(device="cuda", block_size=256, shape=(16, 8, 128), dtype=torch.bfloat16)
+    upgraded = FlashTritonBackend if flash_attn_available() else TorchTritonBackend
+    assert type(select_attention_backend("auto", **kw)) is upgraded
+    assert type(select_attention_backend("torch", **kw)).__name__ == "TorchBackend"
+    assert type(select_attention_backend("auto", **{**kw, "block_size": 8})).__name__ == "TorchBackend"
+    monkeypatch.setenv("NANOENGINE_PAGED_DECODE", "0")
+    assert type(select_attention_backend("auto", **kw)) is (FlashBackend if flash_attn_available() else
+                                                           type(select_attention_backend("torch", **kw)))
 
 
 def test_gemv_equals_f_linear_and_is_chosen_only_where_clearly_faster():

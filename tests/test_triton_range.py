@@ -1,4 +1,4 @@
-"""Both Triton kernels, run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
+"""All three Triton kernels (KV store, GEMV, paged decode with its combine), run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
 
 The upper end is whatever `pip install` picked (the newest allowed); the lower end is installed by `make test` into
 .triton-low/ (or found on the device machine, whose image has it). A kernel line that one end cannot interpret
@@ -21,6 +21,9 @@ import torch.nn.functional as F
 import triton
 from nanoengine.layers.gemv import gemv
 from nanoengine.layers.kv_store import store_kv_torch, store_kv_triton
+from nanoengine.layers.paged_decode import paged_decode
+from nanoengine.layers.paged_attention import TorchBackend
+from nanoengine.utils.context import Context
 for m, n, k, bias in [(1, 40, 700, True), (3, 33, 1030, False), (4, 64, 512, True), (2, 5, 17, False)]:
     g = torch.Generator().manual_seed(m * n)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
@@ -35,6 +38,13 @@ for n, h, d, blocks, bs in [(6, 2, 8, 5, 4), (9, 3, 12, 4, 8), (1, 1, 4, 1, 1)]:
     store_kv_triton(key, value, caches[0], caches[1], slots)
     store_kv_torch(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+for lens, width, bs in [([5, 37, 0], 4, 16), ([700, 3], 8, 128), ([3] * 300, 1, 16)]:
+    g = torch.Generator().manual_seed(len(lens))
+    caches = [torch.randn(len(lens) * width + 1, bs, 2, 16, generator=g) for _ in range(2)]
+    tables = (torch.randperm(len(lens) * width, generator=g) + 1).int().view(len(lens), width)
+    q, ctx_lens = torch.randn(len(lens), 4, 16, generator=g), torch.tensor(lens, dtype=torch.int32)
+    want = TorchBackend().decode(q, *caches, Context(context_lens=ctx_lens, block_tables=tables), 0.25)
+    torch.testing.assert_close(paged_decode(q, *caches, tables, ctx_lens, 0.25), want, atol=1e-5, rtol=1e-5)
 print(triton.__version__)
 '''
 

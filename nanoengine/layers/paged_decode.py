@@ -37,8 +37,7 @@ if triton is not None:
         PDL: tl.constexpr,
     ):
         seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if PDL:  # let the next kernel launch early; wait for this step's q and block tables
-            tl.extra.cuda.gdc_launch_dependents()
+        if PDL:  # q and the block tables may be the previous kernel's output: wait for it
             tl.extra.cuda.gdc_wait()
         num_keys = tl.load(lens_ptr + seq)
         start = part * PARTITION
@@ -69,6 +68,8 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
+        if PDL:  # only now: a kernel launched earlier would take room from this one's programs
+            tl.extra.cuda.gdc_launch_dependents()
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no keys stays 0
         if SPLIT:  # a partial result and its (max, sum) for the combine kernel
             row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + part
