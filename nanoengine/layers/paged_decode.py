@@ -29,12 +29,36 @@ DECODE_BLOCK_N = 64  # keys per tile: the best of 32, 64 and 128 in a sweep on t
 if triton is not None:
 
     @triton.jit
+    def _attend_tile(
+        q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, kv_head, t0, end, scale, stride_block,
+        stride_key, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Keys t0 .. t0 + BLOCK_N - 1 (those before `end`): the online-softmax update."""
+        block = tl.load(table_ptr + t0 // BLOCK_SIZE).to(tl.int64)  # tiles never cross blocks
+        d, pos = tl.arange(0, D), t0 + tl.arange(0, BLOCK_N)
+        rows = block * stride_block + (pos % BLOCK_SIZE) * stride_key + kv_head * D
+        valid = pos < end
+        k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old maximum
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        return m_new, l_i, acc
+
+# %% ../../notebooks/08a_paged_decode.ipynb #179b14c4
+if triton is not None:
+
+    @triton.jit
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, o_ptr, part_ptr, stats_ptr, scale,
         stride_qb, stride_qh, stride_block, stride_key, stride_tb, stride_ob, stride_oh,
         PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # q and the block tables may be the previous kernel's output: wait for it
@@ -44,7 +68,7 @@ if triton is not None:
         if SPLIT and start >= num_keys:
             return  # nothing for this partition; the combine kernel skips it
         end = tl.minimum(start + PARTITION, num_keys)
-        g, d, n = tl.arange(0, GROUP_PAD), tl.arange(0, D), tl.arange(0, BLOCK_N)
+        g, d = tl.arange(0, GROUP_PAD), tl.arange(0, D)
         heads = kv_head * GROUP + g  # the query heads that share this KV head
         q = tl.load(
             q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
@@ -53,21 +77,21 @@ if triton is not None:
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)  # running max score
         l_i = tl.zeros((GROUP_PAD,), tl.float32)  # running sum of exp(score - m_i)
         acc = tl.zeros((GROUP_PAD, D), tl.float32)  # running sum of exp(score - m_i) * v
-        for t0 in range(start, end, BLOCK_N):  # a tile never crosses a block: BLOCK_N | BLOCK_SIZE
-            block = tl.load(tables_ptr + seq * stride_tb + t0 // BLOCK_SIZE).to(tl.int64)
-            pos = t0 + n
-            rows = block * stride_block + (pos % BLOCK_SIZE) * stride_key + kv_head * D
-            valid = pos < end
-            k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GROUP_PAD, BLOCK_N]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old max
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
+        table = tables_ptr + seq * stride_tb
+        if INTERPRET:  # Triton 3.6's CPU interpreter runs no `for` over run-time bounds
+            t0 = start
+            while t0 < end:
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, t0, end, scale,
+                    stride_block, stride_key, BLOCK_SIZE, D, BLOCK_N,
+                )
+                t0 += BLOCK_N
+        else:
+            for t0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, t0, end, scale,
+                    stride_block, stride_key, BLOCK_SIZE, D, BLOCK_N,
+                )
         if PDL:  # only now: a kernel launched earlier would take room from this one's programs
             tl.extra.cuda.gdc_launch_dependents()
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no keys stays 0
@@ -164,8 +188,9 @@ def paged_decode(
         q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), PARTITION=partition, BLOCK_SIZE=block_size, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
-        BLOCK_N=math.gcd(DECODE_BLOCK_N, block_size), SPLIT=num_parts > 1, PDL=pdl, launch_pdl=pdl,
-        num_warps=4, num_stages=2,
+        BLOCK_N=math.gcd(DECODE_BLOCK_N, block_size), SPLIT=num_parts > 1, PDL=pdl,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", launch_pdl=pdl, num_warps=4,
+        num_stages=2,
     )
     if num_parts > 1:
         _combine_kernel[(num_seqs, num_heads)](
