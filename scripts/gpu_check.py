@@ -200,7 +200,15 @@ def merge(paths: list[Path], out: Path, match_commit: str | None = None) -> dict
                               check=True).stdout.strip()
         summary["provenance"] = {**summary["provenance"], "commit": full,
                                  "commit_note": "content_sha256 equals this commit's (scripts/gpu_check.py --merge)"}
-    notebooks = {r["name"]: r for part in parts for r in part.get("notebooks", [])}
+    notebooks: dict[str, dict] = {}
+    reruns = []  # a notebook run again in a later part: the later run counts, the earlier is kept here
+    for part in parts:
+        for r in part.get("notebooks", []):
+            if r["name"] in notebooks:
+                reruns.append({"name": r["name"], "earlier": notebooks[r["name"]], "later": r})
+            notebooks[r["name"]] = r
+    if reruns:
+        summary["notebook_reruns"] = reruns
     if notebooks:
         summary["notebooks"] = [notebooks[name] for name in sorted(notebooks)]
     tests = [part["tests"] for part in parts if "tests" in part]
