@@ -2,7 +2,8 @@
 # Reproduce the committed H200 data on a machine with a CUDA GPU: GPU tests, then every benchmark, with logs.
 #   bash benchmarks/reproduce.sh OUT_DIR
 # Writes OUT_DIR/main.json (benchmarks/h200.json without the ablations), before_gemv.json (h200_before_gemv.json),
-# gemv.json (h200_gemv.json) and ablations.json; each step has its own log. About 15 minutes on an H200.
+# gemv.json (h200_gemv.json), paged_decode.json (h200_paged_decode.json), without_triton_decode.json (h200.json's
+# latency_without_triton_decode) and ablations.json; each step has its own log. About 17 minutes on an H200.
 # flash-attn must be importable (pip install flash-attn, or scripts/build_flash_attn.sh; see book/flash_attn.md).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/reproduce.sh OUT_DIR}
@@ -19,5 +20,10 @@ NANOENGINE_GEMV=0 timeout 300 python3 -m nanoengine.bench --latency --profile --
 tail -n 3 "$OUT/before_gemv.log"
 timeout 300 python3 benchmarks/gemv_sweep.py "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
 tail -n 12 "$OUT/gemv.log"
+timeout 300 python3 benchmarks/paged_decode_sweep.py "$OUT/paged_decode.json" > "$OUT/paged_decode.log" 2>&1
+tail -n 8 "$OUT/paged_decode.log"
+NANOENGINE_PAGED_DECODE=0 timeout 300 python3 -m nanoengine.bench --latency --out "$OUT/without_triton_decode.json" \
+    > "$OUT/without_triton_decode.log" 2>&1
+tail -n 1 "$OUT/without_triton_decode.log"
 timeout 1800 python3 -m nanoengine.bench --ablations --out "$OUT/ablations.json" > "$OUT/ablations.log" 2>&1
 tail -n 8 "$OUT/ablations.log"
