@@ -44,3 +44,18 @@ def test_merge_names_the_commit_whose_files_ran_and_refuses_another(tmp_path):
     other = write_parts(tmp_path, "0" * 64, label=head)
     with pytest.raises(SystemExit, match="not every part ran"):
         gpu_check.merge(other, tmp_path / "out2.json", match_commit="HEAD")
+
+
+def test_merge_counts_a_notebook_run_again_and_keeps_the_earlier_run(tmp_path):
+    digest = gpu_check.content_digest(gpu_check.commit_files("HEAD"))
+    paths = write_parts(tmp_path, digest, label="HEAD")
+    first = json.loads(paths[1].read_text())
+    first["notebooks"].append({"name": "03_scheduler", "ok": False, "seconds": 390.0, "error": "not finished"})
+    paths[1].write_text(json.dumps(first))
+    again = tmp_path / "part2.json"
+    again.write_text(json.dumps({"provenance": first["provenance"],
+                                 "notebooks": [{"name": "03_scheduler", "ok": True, "seconds": 23.8}]}))
+    summary = gpu_check.merge([*paths, again], tmp_path / "out.json", match_commit="HEAD")
+    assert summary["ok"] and [n["name"] for n in summary["notebooks"]] == ["00_orientation", "03_scheduler"]
+    assert summary["notebook_reruns"] == [{"name": "03_scheduler", "earlier": first["notebooks"][1],
+                                           "later": {"name": "03_scheduler", "ok": True, "seconds": 23.8}}]
