@@ -251,6 +251,7 @@ ABLATIONS = {
     "no async scheduling": {"async_scheduling": False},
     "no Triton GEMV": {"env": {"NANOENGINE_GEMV": "0"}},
     "no Triton decode": {"env": {"NANOENGINE_PAGED_DECODE": "0"}},
+    "no fused prologues": {"env": {"NANOENGINE_FUSED": "0"}},
     "no CUDA graphs": {"enforce_eager": True},
     "no torch.compile": {"env": {"NANOENGINE_COMPILE": "0"}},
     "no prefix caching": {"enable_prefix_caching": False},
@@ -366,6 +367,7 @@ def _measure_engine(llm, args: argparse.Namespace) -> dict:
             "dtype": str(llm.config.dtype),
             "device": str(llm.config.device),
             "gemv_report": getattr(llm.model_runner, "gemv_report", {}),
+            "fused_report": getattr(llm.model_runner, "fused_report", {}),
         }
     }
     if args.throughput:

@@ -147,6 +147,36 @@ def test_the_triton_decode_is_selected_unless_switched_off(monkeypatch):
                                                            type(select_attention_backend("torch", **kw)))
 
 
+def test_fused_prologues_equal_the_two_kernels_they_replace_in_bf16():
+    import torch.nn.functional as F
+    from nanoengine.layers.activation import silu_and_mul
+    from nanoengine.layers.fused import fused_gemv
+    from nanoengine.layers.layernorm import add_rms_norm, rms_norm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, n, k in ((1, 4096, 1024), (3, 1024, 3072), (4, 6144, 1024)):
+        x, r = torch.randn(2, m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        nw = torch.rand(k, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+        y, _ = fused_gemv(x, w, prologue="norm", norm_weight=nw)
+        torch.testing.assert_close(y, F.linear(rms_norm(x, nw, 1e-6), w), atol=2e-2, rtol=2e-2)
+        y, res = fused_gemv(x, w, prologue="add_norm", residual=r, norm_weight=nw)
+        h, want = add_rms_norm(x, r, nw, 1e-6)
+        torch.testing.assert_close(y, F.linear(h, w), atol=2e-2, rtol=2e-2)
+        assert torch.equal(res, want)
+        gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g)
+        torch.testing.assert_close(fused_gemv(gu, w, prologue="silu")[0], F.linear(silu_and_mul(gu), w),
+                                   atol=2e-2, rtol=2e-2)
+
+
+def test_greedy_with_every_fusion_forced_equals_transformers_up_to_near_ties(ckpt, monkeypatch):
+    """Every fusion chosen (margin 0): graphs, async scheduling and the fused kernels against transformers."""
+    import nanoengine.layers.fused as fused
+    monkeypatch.setattr(fused, "FUSED_MARGIN", 0.0)
+    monkeypatch.setattr(fused, "_USE_FUSED", {})
+    test_greedy_equals_transformers_in_bfloat16_up_to_near_ties(ckpt)
+    assert any(fused._USE_FUSED.values())
+
+
 def test_gemv_equals_f_linear_and_is_chosen_only_where_clearly_faster():
     import torch.nn.functional as F
     from nanoengine.layers.gemv import GEMV_MARGIN, choose_gemv, gemv

@@ -22,6 +22,9 @@ import triton
 from nanoengine.layers.gemv import gemv
 from nanoengine.layers.kv_store import store_kv_torch, store_kv_triton
 from nanoengine.layers.paged_decode import paged_decode
+from nanoengine.layers.fused import fused_gemv
+from nanoengine.layers.layernorm import add_rms_norm
+from nanoengine.layers.activation import silu_and_mul
 from nanoengine.layers.paged_attention import TorchBackend
 from nanoengine.utils.context import Context
 for m, n, k, bias in [(1, 40, 700, True), (3, 33, 1030, False), (4, 64, 512, True), (2, 5, 17, False)]:
@@ -45,6 +48,17 @@ for lens, width, bs in [([5, 37, 0], 4, 16), ([700, 3], 8, 128), ([3] * 300, 1, 
     q, ctx_lens = torch.randn(len(lens), 4, 16, generator=g), torch.tensor(lens, dtype=torch.int32)
     want = TorchBackend().decode(q, *caches, Context(context_lens=ctx_lens, block_tables=tables), 0.25)
     torch.testing.assert_close(paged_decode(q, *caches, tables, ctx_lens, 0.25), want, atol=1e-5, rtol=1e-5)
+for m, n, k in [(1, 40, 96), (3, 33, 100)]:
+    g = torch.Generator().manual_seed(m)
+    x, r, w, nw = (torch.randn(m, k, generator=g), torch.randn(m, k, generator=g),
+                   torch.randn(n, k, generator=g), torch.rand(k, generator=g) + 0.5)
+    y, res = fused_gemv(x, w, prologue="add_norm", residual=r, norm_weight=nw)
+    h, want = add_rms_norm(x, r, nw, 1e-6)
+    torch.testing.assert_close(y, F.linear(h, w), atol=1e-4, rtol=1e-4)
+    assert torch.equal(res, want)
+    gu = torch.randn(m, 2 * k, generator=g)
+    torch.testing.assert_close(fused_gemv(gu, w, prologue="silu")[0], F.linear(silu_and_mul(gu), w),
+                               atol=1e-4, rtol=1e-4)
 print(triton.__version__)
 '''
 

@@ -20,6 +20,7 @@ from ..config import Config
 from .cuda_graphs import CUDAGraphDecoder
 from .sequence import Sequence
 from ..layers.attention import Attention
+from ..layers.fused import choose_fusions, fusion_pairs
 from ..layers.gemv import choose_gemv
 from ..layers.linear import LinearBase
 from ..layers.paged_decode import select_attention_backend
@@ -247,6 +248,9 @@ class _RunnerBase(_RunnerMemory):
             if self.device.type == "cuda"
             else {}
         )  # per shape: cuBLAS or the Triton kernel (chapter 11.1)
+        self.fused_report = (
+            choose_fusions(fusion_pairs(self.model)) if self.device.type == "cuda" else {}
+        )  # per shape: norm or activation fused into the projection, or not (chapter 11.2)
         self.backend = select_attention_backend(
             self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
             shape=(first.num_heads, first.num_kv_heads, first.head_dim),
