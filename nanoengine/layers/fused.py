@@ -5,6 +5,7 @@ __all__ = ['PROLOGUES', 'FUSED_MARGIN', 'fused_gemv', 'fused_enabled', 'norm_lin
            'fusion_pairs']
 
 # %% ../../notebooks/11b_fused.ipynb #389b11c5
+import os
 
 import torch
 
