@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .activation import silu_and_mul
+from .activation import SiluAndMul, silu_and_mul
 from .gemv import GEMV_BLOCK_N, GEMV_MAX_K, GEMV_MAX_ROWS, _graph_time_us, linear
 from .layernorm import RMSNorm, add_rms_norm, rms_norm
 from .paged_decode import pdl_capable
@@ -148,10 +148,11 @@ def norm_linear(
     return proj(h), residual
 
 
-def silu_linear(gate_up: torch.Tensor, proj) -> torch.Tensor:
-    """proj(silu(gate) * up) for a row-parallel proj: one kernel where measured faster."""
+def silu_linear(gate_up: torch.Tensor, act, proj) -> torch.Tensor:
+    """proj(act(gate_up)) for SiluAndMul `act` and a row-parallel proj: one kernel where measured
+    faster."""
     if not _chosen("silu", gate_up, proj.weight):
-        return proj(silu_and_mul(gate_up))
+        return proj(act(gate_up))
     bias = proj.bias if proj.tp_rank == 0 else None
     y, _ = fused_gemv(gate_up, proj.weight, bias, prologue="silu")
     return all_reduce(y) if proj.tp_size > 1 else y

@@ -150,7 +150,7 @@ class Qwen3DecoderLayer(nn.Module):
         gate_up, residual = norm_linear(
             hidden_states, residual, self.post_attention_layernorm, mlp.gate_up_proj
         )
-        return silu_linear(gate_up, mlp.down_proj), residual
+        return silu_linear(gate_up, mlp.act_fn, mlp.down_proj), residual
 
 # %% ../../notebooks/05_qwen3.ipynb #98719b46
 class Qwen3Model(nn.Module):
