@@ -5,11 +5,9 @@ __all__ = ['PROLOGUES', 'FUSED_MARGIN', 'fused_gemv', 'fused_enabled', 'norm_lin
            'fusion_pairs']
 
 # %% ../../notebooks/11b_fused.ipynb #389b11c5
-import os
-
 import torch
 
-from .activation import SiluAndMul, silu_and_mul
+from .activation import silu_and_mul
 from .gemv import GEMV_BLOCK_N, GEMV_MAX_K, GEMV_MAX_ROWS, _graph_time_us, linear
 from .layernorm import RMSNorm, add_rms_norm, rms_norm
 from .paged_decode import pdl_capable
