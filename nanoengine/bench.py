@@ -252,6 +252,7 @@ ABLATIONS = {
     "no Triton GEMV": {"env": {"NANOENGINE_GEMV": "0"}},
     "no Triton decode": {"env": {"NANOENGINE_PAGED_DECODE": "0"}},
     "no fused prologues": {"env": {"NANOENGINE_FUSED": "0"}},
+    "no fused RoPE + store": {"env": {"NANOENGINE_ROPE_STORE": "0"}},
     "no CUDA graphs": {"enforce_eager": True},
     "no torch.compile": {"env": {"NANOENGINE_COMPILE": "0"}},
     "no prefix caching": {"enable_prefix_caching": False},

@@ -184,6 +184,41 @@ def test_greedy_with_every_fusion_forced_equals_transformers_up_to_near_ties(ckp
     assert fused._USE_FUSED and all(fused._USE_FUSED.values())
 
 
+def test_rope_store_kernel_equals_qk_norm_rope_and_the_store_in_bf16():
+    from nanoengine.layers.kv_store import store_kv
+    from nanoengine.layers.rope_store import qk_norm_rope_store
+    from nanoengine.layers.rotary_embedding import RotaryEmbedding
+    from nanoengine.models.qwen3 import qk_norm_rope
+    g = torch.Generator(device="cuda").manual_seed(0)
+    table = RotaryEmbedding(128, 128, 4096, 1e6).to("cuda").cos_sin_cache
+    for n, hq, hk in ((1, 16, 8), (7, 16, 8), (300, 8, 4), (5, 6, 3)):
+        qkv = torch.randn(n, (hq + 2 * hk) * 128, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+        pos = torch.randint(0, 4096, (n,), device="cuda", generator=g)
+        qw, kw = (torch.rand(128, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5 for _ in range(2))
+        slots = torch.randperm(64 * 16, device="cuda", generator=g)[:n]
+        slots[0] = -1
+        caches = [torch.zeros(64, 16, hk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        q, k, v = qk_norm_rope_store(qkv, pos, qw, kw, 1e-6, table, *caches[:2], slots, hq, hk)
+        q0, k0, v0 = qkv.split([hq * 128, hk * 128, hk * 128], dim=-1)
+        want_q, want_k = qk_norm_rope(q0.view(n, hq, 128), k0.view(n, hk, 128), qw, kw, 1e-6, table, pos)
+        store_kv(want_k, v0.view(n, hk, 128), *caches[2:], slots)
+        for got, want in ((q, want_q), (k, want_k), (caches[0], caches[2])):
+            # one bf16 rounding apart at most (values up to ~4: 2**-6), and rarely
+            torch.testing.assert_close(got.float(), want.float(), atol=2 ** -5, rtol=2 ** -7)
+            assert (got != want).float().mean() < 0.02
+        assert torch.equal(caches[1], caches[3]) and torch.equal(v, v0.view(n, hk, 128))
+
+
+def test_the_engine_uses_the_rope_store_kernel_and_equals_transformers(ckpt, monkeypatch):
+    """Every layer of every step (prefill, graphed decode) goes through the one kernel; greedy output vs transformers."""
+    import nanoengine.layers.rope_store as rope_store
+    calls = []
+    real = rope_store.qk_norm_rope_store
+    monkeypatch.setattr(rope_store, "qk_norm_rope_store", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    check_greedy_against_transformers(ckpt, num_prompts=8)
+    assert len(calls) > 100 and 1 in calls and max(calls) > 100, "prefill and decode both used the kernel"
+
+
 def test_gemv_equals_f_linear_and_is_chosen_only_where_clearly_faster():
     import torch.nn.functional as F
     from nanoengine.layers.gemv import GEMV_MARGIN, choose_gemv, gemv

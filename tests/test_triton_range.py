@@ -1,4 +1,4 @@
-"""All three Triton kernels (KV store, GEMV, paged decode with its combine), run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
+"""Every Triton kernel (KV store, GEMV, fused GEMV, paged decode with its combine, QK-norm + RoPE + store), run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
 
 The upper end is whatever `pip install` picked (the newest allowed); the lower end is installed by `make test` into
 .triton-low/ (or found on the device machine, whose image has it). A kernel line that one end cannot interpret
@@ -59,6 +59,21 @@ for m, n, k in [(1, 40, 96), (3, 33, 100)]:
     gu = torch.randn(m, 2 * k, generator=g)
     torch.testing.assert_close(fused_gemv(gu, w, prologue="silu")[0], F.linear(silu_and_mul(gu), w),
                                atol=1e-4, rtol=1e-4)
+from nanoengine.layers.rope_store import qk_norm_rope_store
+from nanoengine.layers.rotary_embedding import RotaryEmbedding
+from nanoengine.models.qwen3 import qk_norm_rope
+for n, hq, hk, d in [(3, 4, 2, 32), (2, 6, 3, 16)]:
+    g = torch.Generator().manual_seed(n)
+    qkv, pos = torch.randn(n, (hq + 2 * hk) * d, generator=g), torch.randint(0, 64, (n,), generator=g)
+    qw, kw, table = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5, RotaryEmbedding(d, d, 64, 1e4).cos_sin_cache
+    slots = torch.tensor([-1] + list(range(3, 3 + n - 1)))
+    caches = [torch.zeros(2, 8, hk, d) for _ in range(4)]
+    q, k, _ = qk_norm_rope_store(qkv, pos, qw, kw, 1e-6, table, *caches[:2], slots, hq, hk)
+    q0, k0, v0 = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    want_q, want_k = qk_norm_rope.eager(q0.view(n, hq, d), k0.view(n, hk, d), qw, kw, 1e-6, table, pos)
+    store_kv_torch(want_k, v0.view(n, hk, d), *caches[2:], slots)
+    for got, want in ((q, want_q), (k, want_k), (caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 print(triton.__version__)
 '''
 

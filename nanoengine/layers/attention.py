@@ -51,11 +51,17 @@ class Attention(nn.Module):
         self.backend = None
         self.step_context = DEFAULT_STEP  # the model runner binds its own (section 04.1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [N, Hq, D], k and v [N, Hk, D] -> [N, Hq, D]."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False
+    ) -> torch.Tensor:
+        """q [N, Hq, D], k and v [N, Hk, D] -> [N, Hq, D]; kv_stored: already in the paged cache."""
         context = self.step_context.current
         if self.backend is not None:
-            return self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale)
+            return self.backend.forward(
+                q, k, v, self.k_cache, self.v_cache, context, self.scale, kv_stored
+            )
+        if kv_stored:
+            raise RuntimeError("kv_stored=True needs a paged backend and cache (chapter 08)")
         if context.cu_seqlens_q is None:
             raise RuntimeError(
                 "Attention needs the batch layout: call set_context(is_prefill=True, "

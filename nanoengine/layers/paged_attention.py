@@ -37,12 +37,14 @@ class AttentionBackend:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, ctx: Context, scale: float,
+        v_cache: torch.Tensor, ctx: Context, scale: float, kv_stored: bool = False,
     ) -> torch.Tensor:
         """q [N, Hq, D], k and v [N, Hk, D], caches [num_blocks, block_size, Hk, D] -> [N, Hq,
-        D]."""
+        D]. kv_stored: the caller already stored k and v (section 11.3)."""
         has_cache = k_cache.numel() > 0
-        if has_cache:
+        if kv_stored and not has_cache:
+            raise RuntimeError("kv_stored=True, but no KV cache is bound to have stored them in")
+        if has_cache and not kv_stored:
             if ctx.slot_mapping is None:
                 raise RuntimeError("the KV cache is bound but the Context has no slot_mapping")
             store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
@@ -132,13 +134,15 @@ class FlashBackend(AttentionBackend):
             ) from error
         self._varlen, self._with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
-    def forward(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k, v, k_cache, v_cache, ctx: Context, scale: float, kv_stored: bool = False
+    ) -> torch.Tensor:
         """As AttentionBackend.forward; q must be float16 or bfloat16."""
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(
                 f"FlashAttention computes in float16 or bfloat16, got q of dtype {q.dtype}"
             )
-        return super().forward(q, k, v, k_cache, v_cache, ctx, scale)
+        return super().forward(q, k, v, k_cache, v_cache, ctx, scale, kv_stored)
 
     def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
         """flash_attn_varlen_func over the new K/V, or over the pool through block_table."""

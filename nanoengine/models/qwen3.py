@@ -11,6 +11,7 @@ from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ..layers.fused import norm_linear, silu_linear
+from ..layers.rope_store import norm_rope_store
 from ..layers.layernorm import RMSNorm, rms_norm
 from nanoengine.layers.linear import (
     MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -86,6 +87,10 @@ class Qwen3Attention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Everything after the QKV projection: qkv [N, (Hq + 2 Hk) D] -> [N, hidden]."""
+        fused = norm_rope_store(self, positions, qkv)  # section 11.3: one kernel on a GPU
+        if fused is not None:
+            o = self.attn(*fused, kv_stored=True)  # [N, Hq, D]
+            return self.o_proj(o.flatten(1, -1))  # [N, hidden]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [N, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hk, D]
