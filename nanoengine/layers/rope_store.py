@@ -46,9 +46,11 @@ if triton is not None:
         HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
-        half, dtype = tl.arange(0, D // 2), q_ptr.dtype.element_ty
-        qw1, qw2 = tl.load(qw_ptr + half).to(dtype), tl.load(qw_ptr + D // 2 + half).to(dtype)
-        kw1, kw2 = tl.load(kw_ptr + half).to(dtype), tl.load(kw_ptr + D // 2 + half).to(dtype)
+        half = tl.arange(0, D // 2)
+        qw1 = tl.load(qw_ptr + half).to(q_ptr.dtype.element_ty)
+        qw2 = tl.load(qw_ptr + D // 2 + half).to(q_ptr.dtype.element_ty)
+        kw1 = tl.load(kw_ptr + half).to(q_ptr.dtype.element_ty)
+        kw2 = tl.load(kw_ptr + D // 2 + half).to(q_ptr.dtype.element_ty)
         if PDL:  # qkv is the previous kernel's output: wait until that kernel has finished
             tl.extra.cuda.gdc_wait()
         pos = tl.load(pos_ptr + token).to(tl.int64)
