@@ -200,12 +200,14 @@ def test_rope_store_kernel_equals_qk_norm_rope_and_the_store_in_bf16():
         caches = [torch.zeros(64, 16, hk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         q, k, v = qk_norm_rope_store(qkv, pos, qw, kw, 1e-6, table, *caches[:2], slots, hq, hk)
         q0, k0, v0 = qkv.split([hq * 128, hk * 128, hk * 128], dim=-1)
-        want_q, want_k = qk_norm_rope(q0.view(n, hq, 128), k0.view(n, hk, 128), qw, kw, 1e-6, table, pos)
+        # eager, which rounds to bf16 where the code says so (the compiled region may keep float32 across casts)
+        want_q, want_k = qk_norm_rope.eager(q0.view(n, hq, 128), k0.view(n, hk, 128), qw, kw, 1e-6, table, pos)
         store_kv(want_k, v0.view(n, hk, 128), *caches[2:], slots)
         for got, want in ((q, want_q), (k, want_k), (caches[0], caches[2])):
-            # one bf16 rounding apart at most (values up to ~4: 2**-6), and rarely
-            torch.testing.assert_close(got.float(), want.float(), atol=2 ** -5, rtol=2 ** -7)
-            assert (got != want).float().mean() < 0.02
+            # float32 sums in another order: now and then one bf16 rounding apart (values up to ~6)
+            differ = (got != want).float().mean().item()
+            torch.testing.assert_close(got.float(), want.float(), atol=2 ** -4, rtol=2 ** -7)
+            assert differ < 0.02, f"{n} tokens, {hq} + {hk} heads: {differ:.2%} of the values differ"
         assert torch.equal(caches[1], caches[3]) and torch.equal(v, v0.view(n, hk, 128))
 
 
