@@ -176,22 +176,19 @@ def choose_fusions(
             x = torch.randn(m, 2 * k if prologue == "silu" else k, dtype=dtype, device="cuda")
             r = torch.randn_like(x) if prologue == "add_norm" else None
             if prologue == "silu":
-                apart = _graph_time_us(
-                    lambda x, w: linear(silu_and_mul(x), w), weights, x, early=True
-                )
+                apart = _graph_time_us(lambda x, w: linear(silu_and_mul(x), w), weights, x)
             elif prologue == "norm":
                 apart = _graph_time_us(
-                    lambda x, w: linear(rms_norm(x, norm_w, 1e-6), w), weights, x, early=True
+                    lambda x, w: linear(rms_norm(x, norm_w, 1e-6), w), weights, x
                 )
             else:
                 apart = _graph_time_us(
-                    lambda x, w: linear(add_rms_norm(x, r, norm_w, 1e-6)[0], w), weights, x,
-                    early=True,
+                    lambda x, w: linear(add_rms_norm(x, r, norm_w, 1e-6)[0], w), weights, x
                 )
             fused = _graph_time_us(
                 lambda x, w: fused_gemv(
                     x, w, prologue=prologue, residual=r, norm_weight=norm_w
-                ), weights, x, early=True,
+                ), weights, x,
             )
             key = (prologue, m, n, k, dtype)
             _USE_FUSED.setdefault(key, apart > FUSED_MARGIN * fused)

@@ -101,36 +101,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _producer_kernel(x_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """x = x * 1, letting the next kernel launch at once, as a GEMV does (section 11.2)."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 1, mask=offs < n)
-
-
-def _graph_time_us(
-    fn, weights: list[torch.Tensor], x: torch.Tensor, repeats: int = 5, early: bool = False
-) -> float:
+def _graph_time_us(fn, weights: list[torch.Tensor], x: torch.Tensor, repeats: int = 5) -> float:
     """Microseconds per call of fn(x, w), cycling through `weights`, replayed from a CUDA graph;
     the fastest of three rounds of `repeats` replays, so that one slow first replay cannot decide.
 
-    Each call follows a small kernel that writes x, as a projection follows a norm in the model;
-    with `early`, one that lets the next kernel launch before it ends, as a GEMV does."""
-    pdl, flat = pdl_capable(x.device), x.view(-1)
+    Each call follows a small kernel that writes x, as a projection follows a norm in the model."""
 
     def calls() -> None:
         for w in weights:
-            if early:
-                _producer_kernel[(triton.cdiv(flat.numel(), 1024),)](
-                    flat, flat.numel(), BLOCK=1024, PDL=pdl, launch_pdl=pdl
-                )
-            else:
-                x.mul_(1)  # the producer of x, a kernel that does not let the next one start early
+            x.mul_(1)  # the producer of x, a kernel that does not let the next one start early
             fn(x, w)
 
     calls()  # compiles the kernel, sets up cuBLAS: nothing lazy may happen during capture
