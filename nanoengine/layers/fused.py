@@ -8,7 +8,9 @@ __all__ = ['PROLOGUES', 'FUSED_MARGIN', 'fused_gemv', 'fused_enabled', 'norm_lin
 import torch
 
 from .activation import silu_and_mul
-from .gemv import GEMV_BLOCK_N, GEMV_MAX_K, GEMV_MAX_ROWS, _graph_time_us, linear
+from nanoengine.layers.gemv import (
+    GEMV_BLOCK_N, GEMV_MAX_K, GEMV_MAX_ROWS, _graph_time_us, linear, table_rows,
+)
 from .layernorm import RMSNorm, add_rms_norm, rms_norm
 from .paged_decode import pdl_capable
 from ..utils.checks import env_switch
@@ -125,7 +127,7 @@ def fused_enabled() -> bool:
 def _chosen(prologue: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `choose_fusions` measured the fused kernel faster for this input and weight."""
     return bool(_USE_FUSED) and x.is_cuda and _USE_FUSED.get(
-        (prologue, x.shape[0], *weight.shape, x.dtype), False
+        (prologue, table_rows(x.shape[0]), *weight.shape, x.dtype), False
     )
 
 
