@@ -2,8 +2,9 @@
 # Reproduce the committed H200 data on a machine with a CUDA GPU: GPU tests, then every benchmark, with logs.
 #   bash benchmarks/reproduce.sh OUT_DIR
 # Writes OUT_DIR/main.json (benchmarks/h200.json without the ablations), before_gemv.json (h200_before_gemv.json),
-# gemv.json (h200_gemv.json), paged_decode.json (h200_paged_decode.json), without_triton_decode.json (h200.json's
-# latency_without_triton_decode) and ablations.json; each step has its own log. About 17 minutes on an H200.
+# fusions_neither.json and fusions_prologues.json (with main.json: h200_fusions.json), gemv.json (h200_gemv.json),
+# paged_decode.json (h200_paged_decode.json), without_triton_decode.json (h200.json's latency_without_triton_decode)
+# and ablations.json; each step has its own log. About 19 minutes on an H200.
 # flash-attn must be importable (pip install flash-attn, or scripts/build_flash_attn.sh; see book/flash_attn.md).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/reproduce.sh OUT_DIR}
@@ -15,9 +16,16 @@ tail -n 3 "$OUT/gpu_tests.log"
 timeout 600 python3 -m nanoengine.bench --throughput --latency --decode-sweep --profile --out "$OUT/main.json" \
     > "$OUT/bench.log" 2>&1
 tail -n 6 "$OUT/bench.log"
-NANOENGINE_GEMV=0 timeout 300 python3 -m nanoengine.bench --latency --profile --out "$OUT/before_gemv.json" \
-    > "$OUT/before_gemv.log" 2>&1
+# cuBLAS for every projection and FlashAttention-2's decode: the engine before sections 08.1, 11.1, 11.2 and 11.3
+NANOENGINE_GEMV=0 NANOENGINE_FUSED=0 NANOENGINE_ROPE_STORE=0 NANOENGINE_PAGED_DECODE=0 timeout 300 \
+    python3 -m nanoengine.bench --latency --profile --out "$OUT/before_gemv.json" > "$OUT/before_gemv.log" 2>&1
 tail -n 3 "$OUT/before_gemv.log"
+# h200_fusions.json's runs: neither of sections 11.2 and 11.3, then 11.2 alone (main.json has both)
+NANOENGINE_FUSED=0 NANOENGINE_ROPE_STORE=0 timeout 300 python3 -m nanoengine.bench --latency --profile \
+    --out "$OUT/fusions_neither.json" > "$OUT/fusions_neither.log" 2>&1
+NANOENGINE_ROPE_STORE=0 timeout 300 python3 -m nanoengine.bench --latency --profile \
+    --out "$OUT/fusions_prologues.json" > "$OUT/fusions_prologues.log" 2>&1
+tail -n 3 "$OUT/fusions_neither.log" "$OUT/fusions_prologues.log"
 timeout 300 python3 benchmarks/gemv_sweep.py "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
 tail -n 12 "$OUT/gemv.log"
 timeout 300 python3 benchmarks/paged_decode_sweep.py "$OUT/paged_decode.json" > "$OUT/paged_decode.log" 2>&1
