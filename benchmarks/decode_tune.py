@@ -1,0 +1,89 @@
+"""Time section 08.1's decode kernel under other launch settings than the engine's (keys per tile, warps, pipeline
+stages), on two of paged_decode_sweep.py's cases: 256 sequences of 512 keys (unsplit, most of a batch-256 step) and
+one sequence of 600 keys (split, with the combine kernel).
+
+    python benchmarks/decode_tune.py OUT.json      (needs a CUDA GPU)
+
+Each setting is checked against the engine's own (`paged_decode`) before it is timed, and the results are written
+after every setting, so a run cut short keeps what it measured. The engine's setting is timed first."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, graph_us  # noqa: E402
+
+from nanoengine.bench import provenance  # noqa: E402
+from nanoengine.layers.paged_decode import (  # noqa: E402
+    DECODE_BLOCK_N, _combine_kernel, _decode_kernel, decode_partition, paged_decode, pdl_capable,
+)
+
+CASES = {"256 x 512 keys": [512] * 256, "1 x 600 keys": [600]}
+SETTINGS = [(DECODE_BLOCK_N, 4, 2)] + [  # (keys per tile, warps, stages); the engine's first
+    (n, w, s) for n in (64, 128, 32) for w in (4, 8) for s in (2, 3, 1) if (n, w, s) != (DECODE_BLOCK_N, 4, 2)
+]
+
+
+def launch(q, kc, vc, tables, lens, out, part, stats, partition, num_parts, block_n, warps, stages):
+    """paged_decode's launch with the tile, warps and stages given."""
+    pdl = pdl_capable(q.device)
+    _decode_kernel[(q.shape[0], KV_HEADS, num_parts)](
+        q, kc, vc, tables, lens, out, part, stats, HEAD_DIM**-0.5, q.stride(0), q.stride(1), kc.stride(0),
+        kc.stride(1), tables.stride(0), out.stride(0), out.stride(1), PARTITION=partition, BLOCK_SIZE=BLOCK,
+        GROUP=HEADS // KV_HEADS, GROUP_PAD=16, D=HEAD_DIM, BLOCK_N=block_n, SPLIT=num_parts > 1, PDL=pdl,
+        INTERPRET=False, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+    )
+    if num_parts > 1:
+        _combine_kernel[(q.shape[0], HEADS)](
+            part, stats, lens, out, out.stride(0), out.stride(1), NUM_PARTS=num_parts,
+            PARTS_PAD=triton.next_power_of_2(num_parts), PARTITION=partition, D=HEAD_DIM, PDL=pdl, launch_pdl=pdl,
+        )
+
+
+def main(path: str) -> dict:
+    results = {"provenance": provenance(), "what": __doc__.split("\n\n")[0], "cases": {}}
+    for name, lens in CASES.items():
+        torch.manual_seed(0)
+        blocks = [math.ceil(n / BLOCK) for n in lens]
+        width = math.ceil(4096 / BLOCK)  # the graph's width at max_model_len 4096
+        pools = [(torch.randn(sum(blocks) + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
+                  torch.randn(sum(blocks) + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
+                 for _ in range(LAYERS)]
+        tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+        order, at = torch.randperm(sum(blocks)) + 1, 0
+        for i, b in enumerate(blocks):
+            tables[i, :b] = order[at:at + b]
+            at += b
+        tables, ctx = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+        q = torch.randn(len(lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        partition = decode_partition(len(lens), KV_HEADS, width * BLOCK)
+        num_parts = triton.cdiv(width * BLOCK, partition)
+        out = torch.empty_like(q)
+        part = torch.empty(len(lens) * HEADS * num_parts, HEAD_DIM, device="cuda")
+        stats = torch.empty(len(lens) * HEADS * num_parts, 2, device="cuda")
+        want = paged_decode(q, *pools[0], tables, ctx, HEAD_DIM**-0.5)
+        case = results["cases"][name] = {"partitions": num_parts, "settings": []}
+        for block_n, warps, stages in SETTINGS:
+            row = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+            try:
+                launch(q, *pools[0], tables, ctx, out, part, stats, partition, num_parts, block_n, warps, stages)
+                row["max_abs_diff"] = (out.float() - want.float()).abs().max().item()
+                if row["max_abs_diff"] <= 1e-2:
+                    row["us_per_layer"] = graph_us(lambda i: launch(
+                        q, *pools[i], tables, ctx, out, part, stats, partition, num_parts, block_n, warps, stages))
+            except Exception as e:  # a setting the compiler refuses (shared memory, registers)
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            case["settings"].append(row)
+            print(name, row, flush=True)
+            Path(path).write_text(json.dumps(results, indent=1) + "\n")
+        pools.clear()
+        torch.cuda.empty_cache()
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
