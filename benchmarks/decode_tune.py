@@ -1,6 +1,7 @@
 """Time section 08.1's decode kernel under other launch settings than the engine's (keys per tile, warps, pipeline
-stages), on two of paged_decode_sweep.py's cases: 256 sequences of 512 keys (unsplit, most of a batch-256 step) and
-one sequence of 600 keys (split, with the combine kernel).
+stages, and for split steps the keys per partition), on four of paged_decode_sweep.py's cases: 256 sequences of 512
+keys (unsplit, most of a batch-256 step), and one sequence of 100 or 600 keys and eight of 1,000 (split, with the
+combine kernel).
 
     python benchmarks/decode_tune.py OUT.json      (needs a CUDA GPU)
 
@@ -22,9 +23,12 @@ from nanoengine.layers.paged_decode import (  # noqa: E402
     DECODE_BLOCK_N, _combine_kernel, _decode_kernel, decode_partition, paged_decode, pdl_capable,
 )
 
-CASES = {"256 x 512 keys": [512] * 256, "1 x 600 keys": [600]}
-SETTINGS = [(DECODE_BLOCK_N, 4, 2)] + [  # (keys per tile, warps, stages); the engine's first
-    (n, w, s) for n in (64, 128, 32) for w in (4, 8) for s in (2, 3, 1) if (n, w, s) != (DECODE_BLOCK_N, 4, 2)
+CASES = {"256 x 512 keys": [512] * 256, "1 x 600 keys": [600], "1 x 100 keys": [100], "8 x 1000 keys": [1000] * 8}
+SETTINGS = [(None, DECODE_BLOCK_N, 4, 2)] + [  # (keys per partition, per tile, warps, stages); the engine's first
+    (None, n, w, s) for n in (64, 128, 32) for w in (4, 8) for s in (2, 3, 1) if (n, w, s) != (DECODE_BLOCK_N, 4, 2)
+]
+SPLIT_SETTINGS = [(None, DECODE_BLOCK_N, 4, 2)] + [  # split steps: the partition too (None: the engine's)
+    (p, n, w, s) for p in (64, 128, 256) for n in (32, 64) for w in (4, 8) for s in (2, 3)
 ]
 
 
@@ -60,15 +64,17 @@ def main(path: str) -> dict:
             at += b
         tables, ctx = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
         q = torch.randn(len(lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        partition = decode_partition(len(lens), KV_HEADS, width * BLOCK)
-        num_parts = triton.cdiv(width * BLOCK, partition)
+        engine_partition = decode_partition(len(lens), KV_HEADS, width * BLOCK)
+        split = engine_partition < width * BLOCK
         out = torch.empty_like(q)
-        part = torch.empty(len(lens) * HEADS * num_parts, HEAD_DIM, device="cuda")
-        stats = torch.empty(len(lens) * HEADS * num_parts, 2, device="cuda")
         want = paged_decode(q, *pools[0], tables, ctx, HEAD_DIM**-0.5)
-        case = results["cases"][name] = {"partitions": num_parts, "settings": []}
-        for block_n, warps, stages in SETTINGS:
-            row = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+        case = results["cases"][name] = {"engine_partition": engine_partition, "settings": []}
+        for partition, block_n, warps, stages in SPLIT_SETTINGS if split else SETTINGS:
+            partition = partition or engine_partition
+            num_parts = triton.cdiv(width * BLOCK, partition)
+            part = torch.empty(len(lens) * HEADS * num_parts, HEAD_DIM, device="cuda")
+            stats = torch.empty(len(lens) * HEADS * num_parts, 2, device="cuda")
+            row = {"partition": partition, "block_n": block_n, "num_warps": warps, "num_stages": stages}
             try:
                 launch(q, *pools[0], tables, ctx, out, part, stats, partition, num_parts, block_n, warps, stages)
                 row["max_abs_diff"] = (out.float() - want.float()).abs().max().item()

@@ -253,6 +253,7 @@ ABLATIONS = {
     "no Triton decode": {"env": {"NANOENGINE_PAGED_DECODE": "0"}},
     "no fused prologues": {"env": {"NANOENGINE_FUSED": "0"}},
     "no fused RoPE + store": {"env": {"NANOENGINE_ROPE_STORE": "0"}},
+    "no one-pass sampler": {"env": {"NANOENGINE_RACE_KERNEL": "0"}},
     "no CUDA graphs": {"enforce_eager": True},
     "no torch.compile": {"env": {"NANOENGINE_COMPILE": "0"}},
     "no prefix caching": {"enable_prefix_caching": False},

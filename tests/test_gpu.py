@@ -310,3 +310,43 @@ def test_the_installed_flash_attn_is_probed_before_it_is_trusted():
             assert isinstance(backend, TorchBackend) and "start-up check" in str(caught[-1].message)
             with pytest.raises(ValueError, match="rebuild it with this head dim"):
                 get_attention_backend("flash", shape=(4, 2, head_dim), **kw)
+
+
+def test_race_kernel_frequencies_match_the_softmax_over_the_whole_vocabulary():
+    """Section 11.4's one-pass sampler, 102,400 draws over Qwen3's 151,936 tokens (20 logits, each repeated): the
+    chi-square test that caught the first version's E = 0 bug (one row in 220 won by a uniformly drawn token)."""
+    from nanoengine.layers.race_kernel import race_sample
+    vocab = 151_936
+    z = torch.randn(20, generator=torch.Generator().manual_seed(0)).cuda() * 1.5  # the rarest: 36 draws expected
+    logits = z.repeat(vocab // 20 + 1)[:vocab].to(torch.bfloat16).expand(4096, vocab).contiguous()
+    temps = torch.full((4096,), 0.8, device="cuda")
+    counts = torch.zeros(20, dtype=torch.float64, device="cuda")
+    for i in range(25):
+        counts += torch.bincount(race_sample(logits, temps, 2**40 + i) % 20, minlength=20).double()
+    p = torch.softmax(logits[0].double() / 0.8, dim=0)
+    q = torch.zeros(20, dtype=torch.float64, device="cuda").index_add_(0, torch.arange(vocab, device="cuda") % 20, p)
+    expected = counts.sum() * q
+    stat = (((counts - expected) ** 2) / expected).sum().item()
+    assert stat < 43.8, (stat, counts.tolist(), expected.tolist())  # the 0.1% critical value, 19 degrees of freedom
+
+
+def test_the_sampler_uses_the_race_kernel_for_unseeded_rows_and_keeps_greedy_and_seeded_rows(monkeypatch):
+    from nanoengine.layers import sampler as sampler_module
+    from nanoengine.layers.sampler import Sampler, SamplingBatch
+    calls = []
+    real = sampler_module.race_sample
+    monkeypatch.setattr(sampler_module, "race_sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits = torch.randn(6, 151_936, device="cuda", dtype=torch.bfloat16) * 3
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 1.0, 0.0, 0.5, 0.9)]
+    batch = SamplingBatch.from_params(params, [5] * 6, "cuda")
+    out = Sampler()(logits, batch)
+    assert calls and out.dtype == torch.int64 and out.shape == (6,)
+    assert out[0] == logits[0].argmax() and out[3] == logits[3].argmax()
+    assert bool(((out >= 0) & (out < 151_936)).all())
+    seeded = SamplingBatch.from_params([SamplingParams(temperature=0.7, seed=3)] * 2, [9, 9], "cuda")
+    calls.clear()
+    first = Sampler()(logits[:2], seeded)
+    assert not calls and torch.equal(first, Sampler()(logits[:2], seeded))  # seeded rows: chapter 06's generators
+    monkeypatch.setenv("NANOENGINE_RACE_KERNEL", "0")
+    Sampler()(logits, batch)
+    assert not calls

@@ -1,4 +1,4 @@
-"""Every Triton kernel (KV store, GEMV, fused GEMV, paged decode with its combine, QK-norm + RoPE + store), run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
+"""Every Triton kernel (KV store, GEMV, fused GEMV, paged decode with its combine, QK-norm + RoPE + store, the one-pass sampler), run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
 
 The upper end is whatever `pip install` picked (the newest allowed); the lower end is installed by `make test` into
 .triton-low/ (or found on the device machine, whose image has it). A kernel line that one end cannot interpret
@@ -74,6 +74,13 @@ for n, hq, hk, d in [(3, 4, 2, 32), (2, 6, 3, 16)]:
     store_kv_torch(want_k, v0.view(n, hk, d), *caches[2:], slots)
     for got, want in ((q, want_q), (k, want_k), (caches[0], caches[2]), (caches[1], caches[3])):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+from nanoengine.layers.race_kernel import race_sample
+z = torch.tensor([3.0, 0.0, -1.0, 2.0] * 50).repeat(6, 1)  # 6 rows of 200 tokens
+z[1, 77] = z[4, 150] = 40.0  # rows 1 and 4 have a clear winner
+temps = torch.tensor([0.7, 1e-3, 0.7, 0.7, 1e-3, 0.0])
+drawn = race_sample(z, temps, 2**40 + 1, chunk=64)
+assert torch.equal(drawn, race_sample(z, temps, 2**40 + 1, chunk=64)) and drawn.dtype == torch.int64
+assert drawn[1] == 77 and drawn[4] == 150 and bool(((drawn >= 0) & (drawn < 200)).all())
 print(triton.__version__)
 '''
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .race_kernel import draw_seed, race_kernel_serves, race_sample
 from ..sampling_params import SamplingParams
 from ..utils.checks import check_int
 from ..utils.compile import maybe_compile
@@ -231,6 +232,9 @@ class Sampler(nn.Module):
             # [B, V] float32, a fresh tensor
             scaled = apply_top_k_top_p(_scale(logits, batch.temperatures), batch)
             sampled = _race(scaled, draw_exponentials(scaled, batch))  # [B]
+        elif race_kernel_serves(logits, batch.any_seeded):
+            # [B]: one Triton pass, its noise drawn in registers (section 11.4)
+            sampled = race_sample(logits, batch.temperatures, draw_seed())
         else:
             # [B]
             sampled = _scale_and_race(logits, batch.temperatures, draw_exponentials(logits, batch))
