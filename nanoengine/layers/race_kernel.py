@@ -114,7 +114,8 @@ def race_sample(
 
 # %% ../../notebooks/11d_race_kernel.ipynb #3132b899
 def race_kernel_enabled() -> bool:
-    """Whether the sampler may use `race_sample`: NANOENGINE_RACE_KERNEL unset or '1' yes, '0' no."""
+    """Whether the sampler may use `race_sample`: NANOENGINE_RACE_KERNEL unset or '1' yes, '0'
+    no."""
     return env_switch("NANOENGINE_RACE_KERNEL")
 
 
