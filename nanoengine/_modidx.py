@@ -6,6 +6,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'nanoengine.bench.HostStep': ('benchmarks.html#hoststep', 'nanoengine/bench.py'),
                                   'nanoengine.bench._measure_engine': ('benchmarks.html#_measure_engine', 'nanoengine/bench.py'),
                                   'nanoengine.bench._parser': ('benchmarks.html#_parser', 'nanoengine/bench.py'),
+                                  'nanoengine.bench._rung_line': ('benchmarks.html#_rung_line', 'nanoengine/bench.py'),
                                   'nanoengine.bench._sync': ('benchmarks.html#_sync', 'nanoengine/bench.py'),
                                   'nanoengine.bench._write': ('benchmarks.html#_write', 'nanoengine/bench.py'),
                                   'nanoengine.bench.bench_workload': ('benchmarks.html#bench_workload', 'nanoengine/bench.py'),

@@ -17,7 +17,7 @@ import random
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
@@ -261,50 +261,52 @@ ABLATIONS = {
 }
 
 
+def _rung_line(name: str, r: dict) -> str:
+    """One printed line of the ladder: the rung's two numbers, or the end of its error."""
+    if "output_tok_per_s" not in r:
+        return f"{name:22s} {r['error'][-300:]}"
+    return (
+        f"{name:22s} {r['output_tok_per_s']:>9,.0f} tok/s  "
+        f"{r['latency_ms_per_token']:.3f} ms per token at batch 1"
+    )
+
+
 def run_ablations(
     model: Path,
     out_dir: Path,
     names: list[str] | None = None,
     timeout: float = 900,
+    workload: list[str] | None = None,
+    progress: Callable[[dict], None] | None = None,
     **engine_kwargs,
 ) -> dict:
-    """Throughput of each ablation in a fresh process; results are printed and kept in out_dir."""
+    """Throughput and batch-1 latency of each rung in a fresh process; each result is printed,
+    kept in out_dir and handed to `progress` (all results so far) as soon as it is known."""
     results = {}
     for name in names or list(ABLATIONS):
         settings = dict(ABLATIONS[name])
         env = {**os.environ, **settings.pop("env", {})}
         part = out_dir / f"ablation-{len(results)}.json"
         cmd = [
-            sys.executable,
-            "-m",
-            "nanoengine.bench",
-            "--model",
-            str(model),
-            "--throughput",
-            "--out",
-            str(part),
-            "--engine-json",
-            json.dumps({**engine_kwargs, **settings}),
+            sys.executable, "-m", "nanoengine.bench", "--model", str(model),
+            "--throughput", "--latency", *(workload or []), "--out", str(part),
+            "--engine-json", json.dumps({**engine_kwargs, **settings}),
         ]
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-            results[name] = (
-                json.loads(part.read_text())["throughput"]
-                if done.returncode == 0
-                else {"error": done.stderr[-2000:]}
-            )
+            if done.returncode == 0:
+                measured = json.loads(part.read_text())
+                results[name] = {
+                    **measured["throughput"],
+                    "latency_ms_per_token": measured["latency"]["ms_per_token"],
+                }
+            else:
+                results[name] = {"error": done.stderr[-2000:]}
         except subprocess.TimeoutExpired:
             results[name] = {"error": f"timed out after {timeout:.0f} s"}
-        r = results[name]
-        print(
-            f"{name:20s} "
-            + (
-                f"{r['output_tok_per_s']:,.0f} tok/s"
-                if "output_tok_per_s" in r
-                else r["error"][-300:]
-            ),
-            flush=True,
-        )
+        print(_rung_line(name, results[name]), flush=True)
+        if progress is not None:
+            progress(results)
     return results
 
 
@@ -331,7 +333,8 @@ def _parser() -> argparse.ArgumentParser:
         help="decode step time vs batch size, eager and graphs",
     )
     p.add_argument(
-        "--ablations", action="store_true", help="throughput with each optimisation switched off"
+        "--ablations", action="store_true",
+        help="throughput and batch-1 latency with each optimisation switched off",
     )
     p.add_argument(
         "--only", action="append", choices=list(ABLATIONS), metavar="RUNG",
@@ -427,7 +430,15 @@ def main(argv: list[str] | None = None) -> dict:
         del llm
     if args.ablations:
         out_dir = Path(tempfile.mkdtemp())
-        results["ablations"] = run_ablations(model, out_dir, args.only, **engine_kwargs)
+        workload = [
+            f"--num-seqs={args.num_seqs}", f"--max-input-len={args.max_input_len}",
+            f"--max-output-len={args.max_output_len}",
+        ]
+        results["ablations"] = run_ablations(
+            model, out_dir, args.only, workload=workload,
+            progress=lambda so_far: _write({**results, "ablations": so_far}, args.out),
+            **engine_kwargs,
+        )
     return _write(results, args.out)
 
 
