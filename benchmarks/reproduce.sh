@@ -3,8 +3,10 @@
 #   bash benchmarks/reproduce.sh OUT_DIR
 # Writes OUT_DIR/main.json (benchmarks/h200.json without the ablations), before_gemv.json (h200_before_gemv.json),
 # fusions_neither.json and fusions_prologues.json (with main.json: h200_fusions.json), gemv.json (h200_gemv.json),
-# paged_decode.json (h200_paged_decode.json), without_triton_decode.json (h200.json's latency_without_triton_decode)
-# and ablations.json; each step has its own log. About 19 minutes on an H200.
+# paged_decode.json (h200_paged_decode.json), without_triton_decode.json (h200.json's latency_without_triton_decode),
+# decode_tune.json (h200_decode_tune.json), race.json (h200_race.json) and ablations.json (h200.json's ablations);
+# each step has its own log. About 19 minutes on an H200 before the last two steps were added and the ladder
+# measured batch-1 latency too; not timed end to end since.
 # flash-attn must be importable (pip install flash-attn, or scripts/build_flash_attn.sh; see book/flash_attn.md).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/reproduce.sh OUT_DIR}
@@ -33,5 +35,17 @@ tail -n 8 "$OUT/paged_decode.log"
 NANOENGINE_PAGED_DECODE=0 timeout 300 python3 -m nanoengine.bench --latency --out "$OUT/without_triton_decode.json" \
     > "$OUT/without_triton_decode.log" 2>&1
 tail -n 1 "$OUT/without_triton_decode.log"
-timeout 1800 python3 -m nanoengine.bench --ablations --out "$OUT/ablations.json" > "$OUT/ablations.log" 2>&1
-tail -n 8 "$OUT/ablations.log"
+timeout 300 python3 benchmarks/decode_tune.py "$OUT/decode_tune.json" > "$OUT/decode_tune.log" 2>&1
+tail -n 3 "$OUT/decode_tune.log"
+timeout 300 python3 benchmarks/race_sampler.py "$OUT/race.json" > "$OUT/race.log" 2>&1
+tail -n 8 "$OUT/race.log"
+# Every rung but "torch attention" (not a speed rung: on the H200 it had not finished after 215 s), each in a fresh
+# process with throughput and batch-1 latency; ablations.json grows after every rung.
+RUNGS=()
+for r in "all optimisations" "no async scheduling" "no Triton GEMV" "no Triton decode" "no fused prologues" \
+         "no fused RoPE + store" "no one-pass sampler" "no torch.compile" "no prefix caching" "no CUDA graphs"; do
+    RUNGS+=(--only "$r")
+done
+timeout 1800 python3 -m nanoengine.bench --ablations "${RUNGS[@]}" --out "$OUT/ablations.json" \
+    > "$OUT/ablations.log" 2>&1
+tail -n 10 "$OUT/ablations.log"
