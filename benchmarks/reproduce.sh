@@ -41,11 +41,10 @@ timeout 300 python3 benchmarks/race_sampler.py "$OUT/race.json" > "$OUT/race.log
 tail -n 8 "$OUT/race.log"
 # Every rung but "torch attention" (not a speed rung: on the H200 it had not finished after 215 s), each in a fresh
 # process with throughput and batch-1 latency; ablations.json grows after every rung.
-RUNGS=()
-for r in "all optimisations" "no async scheduling" "no Triton GEMV" "no Triton decode" "no fused prologues" \
-         "no fused RoPE + store" "no one-pass sampler" "no torch.compile" "no prefix caching" "no CUDA graphs"; do
-    RUNGS+=(--only "$r")
-done
+mapfile -t RUNGS < <(python3 -c "from nanoengine.bench import ABLATIONS
+for name in ABLATIONS:
+    if name != 'torch attention':
+        print('--only'); print(name)")
 timeout 1800 python3 -m nanoengine.bench --ablations "${RUNGS[@]}" --out "$OUT/ablations.json" \
     > "$OUT/ablations.log" 2>&1
 tail -n 10 "$OUT/ablations.log"
