@@ -138,6 +138,32 @@ def test_triton_paged_decode_equals_flash_attn_and_torch_split_or_not_in_a_graph
             out.copy_(paged_decode(q, k_cache, v_cache, tables, lens, 0.088))
         graph.replay()
         torch.testing.assert_close(out, got, atol=0, rtol=0)
+        if num_seqs * 8 >= DECODE_SPLIT_BELOW:  # unsplit: started longest first, the same bits
+            order = lens.argsort(descending=True)
+            assert not torch.equal(order, torch.arange(num_seqs, device="cuda"))
+            assert torch.equal(paged_decode(q, k_cache, v_cache, tables, lens, 0.088, order), got)
+
+
+def test_longest_first_decode_in_graphs_equals_the_batch_order_in_eager_steps(ckpt, monkeypatch):
+    """Decode steps of up to 140 sequences (280 (sequence, KV head) pairs: unsplit, so started longest first) under
+    CUDA graphs and async scheduling give the tokens of synchronous eager steps that keep the batch's order."""
+    from nanoengine.layers.paged_decode import DECODE_SPLIT_BELOW
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 380, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 700, (140,), generator=g)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kwargs = dict(kvcache_block_size=256, num_kvcache_blocks=460, max_num_seqs=144, max_model_len=1024,
+                  max_num_batched_tokens=8192)
+    fast = LLM(ckpt, **kwargs)
+    assert fast.model_runner.backend.longest_first and fast.model_runner.graphs is not None
+    got = [o["token_ids"] for o in fast.generate(prompts, greedy, use_tqdm=False)]
+    assert max(r.num_seqs for r in fast.trace if not r.is_prefill) * 2 >= DECODE_SPLIT_BELOW
+    fast.close()
+    monkeypatch.setenv("NANOENGINE_DECODE_ORDER", "0")
+    plain = LLM(ckpt, enforce_eager=True, async_scheduling=False, **kwargs)
+    assert not plain.model_runner.backend.longest_first
+    assert [o["token_ids"] for o in plain.generate(prompts, greedy, use_tqdm=False)] == got
+    plain.close()
 
 
 def test_the_triton_decode_is_selected_unless_switched_off(monkeypatch):

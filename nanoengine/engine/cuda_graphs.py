@@ -87,14 +87,9 @@ class CUDAGraphDecoder(_GraphBuffers):
     def _capture(self) -> None:
         for bs in reversed(self.buckets):
             for max_keys in self.context_variants(bs):
-                self.step_context.set(
-                    is_prefill=False,
-                    slot_mapping=self.slot_mapping[:bs],
-                    max_seqlen_k=max_keys,
-                    context_lens=self.context_lens[:bs],
-                    block_tables=self.block_tables[:bs],
-                )
+                self._set_context(bs, max_keys)
                 self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                self._set_context(bs, max_keys)  # afresh: nothing derived eagerly is reused
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, self.pool):
                     self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
@@ -103,6 +98,13 @@ class CUDAGraphDecoder(_GraphBuffers):
                 self.graphs[bs, max_keys] = graph
                 torch.cuda.synchronize()
         self.step_context.reset()
+
+    def _set_context(self, bs: int, max_keys: int) -> None:
+        """The context of a capture: the static buffers' first `bs` rows."""
+        self.step_context.set(
+            is_prefill=False, slot_mapping=self.slot_mapping[:bs], max_seqlen_k=max_keys,
+            context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
+        )
 
     def replay(
         self,

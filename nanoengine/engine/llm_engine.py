@@ -226,7 +226,10 @@ class _EngineRequests(_EngineBase):
                     "not match this model"
                 )
         elif isinstance(prompt, (list, tuple)):
-            token_ids = []
+            vocab = self.vocab_size
+            if set(map(type, prompt)) == {int} and 0 <= min(prompt) <= max(prompt) < vocab:
+                return list(prompt)  # the common case, plain ints in range: checked in bulk
+            token_ids = []  # anything else token by token, to name the first bad one
             for t in prompt:
                 if isinstance(t, bool) or not isinstance(t, Integral):
                     raise InvalidTypeError(f"prompt {i}: token ids must be ints, got {t!r}")
@@ -485,6 +488,8 @@ class _EngineGenerate(_EngineSteps):
         mine = set(seqs)  # a step also finishes other callers' requests (streams in progress)
         try:
             for finished in self._run(seqs):
+                if not use_tqdm:
+                    continue
                 record = self.trace[-1]
                 if record.is_prefill:
                     prefill_rate = record.num_tokens / record.seconds

@@ -3,8 +3,8 @@
 # %% auto #0
 __all__ = ['DECODE_BLOCK_N', 'DECODE_PARTITION', 'DECODE_SMALL_PARTITION', 'DECODE_SMALL_PAIRS', 'DECODE_MAX_PARTS',
            'DECODE_SPLIT_BELOW', 'pdl_capable', 'decode_partition', 'paged_decode', 'TritonDecodeMixin',
-           'FlashTritonBackend', 'TorchTritonBackend', 'paged_decode_enabled', 'paged_decode_unavailable_reason',
-           'select_attention_backend']
+           'FlashTritonBackend', 'TorchTritonBackend', 'paged_decode_enabled', 'longest_first_enabled',
+           'paged_decode_unavailable_reason', 'select_attention_backend']
 
 # %% ../../notebooks/08a_paged_decode.ipynb #bf60074d
 import math
@@ -55,15 +55,17 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, o_ptr, part_ptr, stats_ptr, scale,
+        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, order_ptr, o_ptr, part_ptr, stats_ptr, scale,
         stride_qb, stride_qh, stride_block, stride_key, stride_tb, stride_ob, stride_oh,
         PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-        PDL: tl.constexpr, INTERPRET: tl.constexpr,
+        ORDERED: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # q and the block tables may be the previous kernel's output: wait for it
             tl.extra.cuda.gdc_wait()
+        if ORDERED:  # the grid's first axis walks the rows in the order given (longest first)
+            seq = tl.load(order_ptr + seq)
         num_keys = tl.load(lens_ptr + seq)
         start = part * PARTITION
         if SPLIT and start >= num_keys:
@@ -169,11 +171,12 @@ def decode_partition(num_seqs: int, num_kv_heads: int, max_keys: int) -> int:
 
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its first context_lens keys in the paged cache.
 
-    q [B, Hq, D], caches [num_blocks, block_size, Hk, D], block_tables [B, W] -> [B, Hq, D]."""
+    q [B, Hq, D], caches [num_blocks, block_size, Hk, D], block_tables [B, W] -> [B, Hq, D].
+    `order`, a permutation of the B rows, is the order in which an unsplit step starts them."""
     if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_decode needs q's rows and both caches contiguous in memory")
     (num_seqs, num_heads, head_dim), num_kv_heads = q.shape, k_cache.shape[2]
@@ -188,14 +191,15 @@ def paged_decode(
         part = torch.empty(num_seqs * num_heads * num_parts, head_dim, device=q.device)
         stats = torch.empty(num_seqs * num_heads * num_parts, 2, device=q.device)
     group = num_heads // num_kv_heads
-    pdl = pdl_capable(q.device)
+    pdl, ordered = pdl_capable(q.device), order is not None and num_parts == 1
     _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part, stats, scale, q.stride(0),
-        q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), PARTITION=partition, BLOCK_SIZE=block_size, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim,
-        BLOCK_N=math.gcd(DECODE_BLOCK_N, block_size), SPLIT=num_parts > 1, PDL=pdl,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", launch_pdl=pdl, num_warps=4,
+        q, k_cache, v_cache, block_tables, context_lens, order if ordered else context_lens, out,
+        part, stats, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), PARTITION=partition,
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        D=head_dim, BLOCK_N=math.gcd(DECODE_BLOCK_N, block_size), SPLIT=num_parts > 1,
+        ORDERED=ordered, PDL=pdl, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        launch_pdl=pdl, num_warps=4,
         num_stages=2 if num_parts > 1 else 3,  # a whole sequence per program: a deeper pipeline
     )
     if num_parts > 1:
@@ -210,9 +214,18 @@ def paged_decode(
 class TritonDecodeMixin:
     """Decode by `paged_decode`; prefill as the backend it is mixed into."""
 
+    longest_first: bool = True  # start an unsplit step's sequences longest context first
+
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
         """One query per sequence over its context_lens keys, read in place: [B, Hq, D]."""
-        return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+        order = None
+        if self.longest_first and q.shape[0] * k_cache.shape[2] >= DECODE_SPLIT_BELOW:
+            if ctx.decode_order is None:  # the step's first layer sorts, the others reuse it
+                ctx.decode_order = torch.argsort(ctx.context_lens, descending=True)  # [B]
+            order = ctx.decode_order
+        return paged_decode(
+            q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, order
+        )
 
 
 class FlashTritonBackend(TritonDecodeMixin, FlashBackend):
@@ -227,6 +240,12 @@ def paged_decode_enabled() -> bool:
     """Whether the engine may use `paged_decode`: NANOENGINE_PAGED_DECODE unset or '1' yes, '0'
     no."""
     return env_switch("NANOENGINE_PAGED_DECODE")
+
+
+def longest_first_enabled() -> bool:
+    """Whether the kernel starts a large step's sequences longest context first:
+    NANOENGINE_DECODE_ORDER unset or '1' yes, '0' no (the rows' own order)."""
+    return env_switch("NANOENGINE_DECODE_ORDER")
 
 
 def paged_decode_unavailable_reason(
@@ -271,6 +290,7 @@ def select_attention_backend(
             dtype=dtype, device=device, block_size=block_size,
         )
         if wrong is None:
+            upgraded.longest_first = longest_first_enabled()
             return upgraded
         warnings.warn(
             f"decoding with {type(backend).__name__}: the Triton decode kernel fails a start-up "

@@ -21,6 +21,7 @@ class Context:
     slot_mapping: torch.Tensor | None = None  # [num_tokens], KV slot of each new token (-1 = skip)
     context_lens: torch.Tensor | None = None  # int32 [num_seqs], decode: tokens of context
     block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks], -1 padded
+    decode_order: torch.Tensor | None = None  # [num_seqs], longest context first (set by a layer)
 
 # %% ../../notebooks/04a_context.ipynb #fbc85d25
 @dataclass(slots=True)

@@ -1,0 +1,76 @@
+"""Time section 08.1's decode kernel on the bench workload's own mixes of context lengths, with the sequences started
+in the batch's order and longest first, against the same number of keys spread evenly.
+
+    python benchmarks/decode_order.py OUT.json      (needs a CUDA GPU)
+
+Decode step s of the bench workload (every request prefilled, none finished early) holds the requests whose
+max_tokens exceed s, each with its prompt plus s + 1 tokens of context. Each case is that step's attention in all 28
+layers of Qwen3-0.6B (16 query heads over 8 KV heads of 128, bf16, blocks of 256 scattered at random, every layer
+its own pool), replayed from a CUDA graph captured for the engine's block-table width at max_model_len 4096; the
+time is per layer. The results are written after every case."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, graph_us  # noqa: E402
+
+from nanoengine.bench import bench_workload, provenance  # noqa: E402
+from nanoengine.layers.paged_decode import decode_partition, paged_decode  # noqa: E402
+
+STEPS = (0, 150, 300, 450, 550, 650, 750, 850, 950)
+WIDTH = math.ceil(4096 / BLOCK)  # the graphs' block-table width
+
+
+def step_lengths(step: int) -> list[int]:
+    """Context lengths of the requests still decoding at decode step `step`, in the batch's order."""
+    prompts, params = bench_workload()
+    return [len(p) + step + 1 for p, s in zip(prompts, params) if s.max_tokens > step]
+
+
+def time_case(lens: list[int]) -> dict:
+    """Microseconds per layer: rows in the batch's order, longest first, and evenly spread keys."""
+    torch.manual_seed(0)
+    blocks = [math.ceil(n / BLOCK) for n in lens]
+    pools = [tuple(torch.randn(sum(blocks) + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(2)) for _ in range(LAYERS)]
+    tables = torch.full((len(lens), WIDTH), -1, dtype=torch.int32)
+    order, at = torch.randperm(sum(blocks)) + 1, 0
+    for i, b in enumerate(blocks):
+        tables[i, :b] = order[at:at + b]
+        at += b
+    tables, ctx = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    even = torch.full_like(ctx, sum(lens) // len(lens))
+    q = torch.randn(len(lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    longest_first = ctx.argsort(descending=True)
+    scale = HEAD_DIM**-0.5
+    same = torch.equal(paged_decode(q, *pools[0], tables, ctx, scale),
+                       paged_decode(q, *pools[0], tables, ctx, scale, longest_first))
+    row = {
+        "batch": len(lens), "mean_keys": sum(lens) / len(lens), "max_keys": max(lens),
+        "partition": decode_partition(len(lens), KV_HEADS, WIDTH * BLOCK), "same_bits": same,
+        "batch_order_us": graph_us(lambda i: paged_decode(q, *pools[i], tables, ctx, scale)),
+        "longest_first_us": graph_us(lambda i: paged_decode(q, *pools[i], tables, ctx, scale, longest_first)),
+        "even_us": graph_us(lambda i: paged_decode(q, *pools[i], tables, even, scale)),
+    }
+    kv_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * 2
+    for key in ("batch_order", "longest_first", "even"):
+        row[f"{key}_tb_per_s"] = round(kv_bytes / row[f"{key}_us"] / 1e6, 3)
+    return row
+
+
+def main(path: str) -> dict:
+    results = {"provenance": provenance(), "what": __doc__.split("\n\n")[0], "cases": {}}
+    for step in STEPS:
+        row = results["cases"][f"decode step {step}"] = time_case(step_lengths(step))
+        print(step, row, flush=True)
+        Path(path).write_text(json.dumps(results, indent=1) + "\n")
+        torch.cuda.empty_cache()
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
