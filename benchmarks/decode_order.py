@@ -31,8 +31,8 @@ def step_lengths(step: int) -> list[int]:
     return [len(p) + step + 1 for p, s in zip(prompts, params) if s.max_tokens > step]
 
 
-def time_case(lens: list[int]) -> dict:
-    """Microseconds per layer: rows in the batch's order, longest first, and evenly spread keys."""
+def time_case(lens: list[int], orders: bool = True) -> dict:
+    """Microseconds per layer with the rows in the batch's order and (if `orders`) longest first."""
     torch.manual_seed(0)
     blocks = [math.ceil(n / BLOCK) for n in lens]
     pools = [tuple(torch.randn(sum(blocks) + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -43,19 +43,25 @@ def time_case(lens: list[int]) -> dict:
         tables[i, :b] = order[at:at + b]
         at += b
     tables, ctx = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
-    even = torch.full_like(ctx, sum(lens) // len(lens))
     q = torch.randn(len(lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    longest_first = ctx.argsort(descending=True)
     scale = HEAD_DIM**-0.5
-    same = torch.equal(paged_decode(q, *pools[0], tables, ctx, scale),
-                       paged_decode(q, *pools[0], tables, ctx, scale, longest_first))
-    row = {
-        "batch": len(lens), "mean_keys": sum(lens) / len(lens), "max_keys": max(lens),
-        "partition": decode_partition(len(lens), KV_HEADS, WIDTH * BLOCK), "same_bits": same,
-        "batch_order_us": graph_us(lambda i: paged_decode(q, *pools[i], tables, ctx, scale)),
-        "longest_first_us": graph_us(lambda i: paged_decode(q, *pools[i], tables, ctx, scale, longest_first)),
-        "even_us": graph_us(lambda i: paged_decode(q, *pools[i], tables, even, scale)),
-    }
+    row = {"batch_order_us": graph_us(lambda i: paged_decode(q, *pools[i], tables, ctx, scale))}
+    if orders:
+        longest_first = ctx.argsort(descending=True)
+        row["same_bits"] = torch.equal(paged_decode(q, *pools[0], tables, ctx, scale),
+                                       paged_decode(q, *pools[0], tables, ctx, scale, longest_first))
+        row["longest_first_us"] = graph_us(lambda i: paged_decode(q, *pools[i], tables, ctx, scale, longest_first))
+    del pools
+    torch.cuda.empty_cache()
+    return row
+
+
+def measure_step(step: int) -> dict:
+    """One decode step's mix in both orders, and as many keys spread evenly over its sequences."""
+    lens = step_lengths(step)
+    row = {"batch": len(lens), "mean_keys": sum(lens) / len(lens), "max_keys": max(lens),
+           "partition": decode_partition(len(lens), KV_HEADS, WIDTH * BLOCK), **time_case(lens)}
+    row["even_us"] = time_case([sum(lens) // len(lens)] * len(lens), orders=False)["batch_order_us"]
     kv_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * 2
     for key in ("batch_order", "longest_first", "even"):
         row[f"{key}_tb_per_s"] = round(kv_bytes / row[f"{key}_us"] / 1e6, 3)
@@ -65,10 +71,9 @@ def time_case(lens: list[int]) -> dict:
 def main(path: str) -> dict:
     results = {"provenance": provenance(), "what": __doc__.split("\n\n")[0], "cases": {}}
     for step in STEPS:
-        row = results["cases"][f"decode step {step}"] = time_case(step_lengths(step))
+        row = results["cases"][f"decode step {step}"] = measure_step(step)
         print(step, row, flush=True)
         Path(path).write_text(json.dumps(results, indent=1) + "\n")
-        torch.cuda.empty_cache()
     return results
 
 
