@@ -251,6 +251,7 @@ ABLATIONS = {
     "no async scheduling": {"async_scheduling": False},
     "no Triton GEMV": {"env": {"NANOENGINE_GEMV": "0"}},
     "no Triton decode": {"env": {"NANOENGINE_PAGED_DECODE": "0"}},
+    "no longest-first decode": {"env": {"NANOENGINE_DECODE_ORDER": "0"}},
     "no fused prologues": {"env": {"NANOENGINE_FUSED": "0"}},
     "no fused RoPE + store": {"env": {"NANOENGINE_ROPE_STORE": "0"}},
     "no one-pass sampler": {"env": {"NANOENGINE_RACE_KERNEL": "0"}},
