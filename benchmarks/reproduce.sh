@@ -4,9 +4,10 @@
 # Writes OUT_DIR/main.json (benchmarks/h200.json without the ablations), before_gemv.json (h200_before_gemv.json),
 # fusions_neither.json and fusions_prologues.json (with main.json: h200_fusions.json), gemv.json (h200_gemv.json),
 # paged_decode.json (h200_paged_decode.json), without_triton_decode.json (h200.json's latency_without_triton_decode),
-# decode_tune.json (h200_decode_tune.json), race.json (h200_race.json) and ablations.json (h200.json's ablations);
+# decode_tune.json (h200_decode_tune.json), decode_order.json (h200_decode_order.json), race.json (h200_race.json)
+# and ablations.json (h200.json's ablations);
 # each step has its own log. About 19 minutes on an H200 before the last two steps were added and the ladder
-# measured batch-1 latency too; not timed end to end since.
+# measured batch-1 latency too; not timed end to end since (decode_order.py took 37 s).
 # flash-attn must be importable (pip install flash-attn, or scripts/build_flash_attn.sh; see book/flash_attn.md).
 set -uo pipefail
 OUT=${1:?usage: bash benchmarks/reproduce.sh OUT_DIR}
@@ -37,6 +38,8 @@ NANOENGINE_PAGED_DECODE=0 timeout 300 python3 -m nanoengine.bench --latency --ou
 tail -n 1 "$OUT/without_triton_decode.log"
 timeout 300 python3 benchmarks/decode_tune.py "$OUT/decode_tune.json" > "$OUT/decode_tune.log" 2>&1
 tail -n 3 "$OUT/decode_tune.log"
+timeout 300 python3 benchmarks/decode_order.py "$OUT/decode_order.json" > "$OUT/decode_order.log" 2>&1
+tail -n 9 "$OUT/decode_order.log" | cut -c1-160
 timeout 300 python3 benchmarks/race_sampler.py "$OUT/race.json" > "$OUT/race.log" 2>&1
 tail -n 8 "$OUT/race.log"
 # Every rung but "torch attention" (not a speed rung: on the H200 it had not finished after 215 s), each in a fresh
