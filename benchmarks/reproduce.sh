@@ -4,8 +4,8 @@
 # Writes OUT_DIR/main.json (benchmarks/h200.json without the ablations), before_gemv.json (h200_before_gemv.json),
 # fusions_neither.json and fusions_prologues.json (with main.json: h200_fusions.json), gemv.json (h200_gemv.json),
 # paged_decode.json (h200_paged_decode.json), without_triton_decode.json (h200.json's latency_without_triton_decode),
-# decode_tune.json (h200_decode_tune.json), decode_order.json (h200_decode_order.json), race.json (h200_race.json)
-# and ablations.json (h200.json's ablations);
+# decode_tune.json (h200_decode_tune.json), decode_order.json (h200_decode_order.json), race.json (h200_race.json),
+# step_trace.json (h200_step_trace.json) and ablations.json (h200.json's ablations);
 # each step has its own log. About 19 minutes on an H200 before the last two steps were added and the ladder
 # measured batch-1 latency too; not timed end to end since (decode_order.py took 37 s).
 # flash-attn must be importable (pip install flash-attn, or scripts/build_flash_attn.sh; see book/flash_attn.md).
@@ -42,6 +42,8 @@ timeout 300 python3 benchmarks/decode_order.py "$OUT/decode_order.json" > "$OUT/
 tail -n 9 "$OUT/decode_order.log" | cut -c1-160
 timeout 300 python3 benchmarks/race_sampler.py "$OUT/race.json" > "$OUT/race.log" 2>&1
 tail -n 8 "$OUT/race.log"
+timeout 300 python3 benchmarks/step_trace.py "$OUT/step_trace.json" > "$OUT/step_trace.log" 2>&1
+tail -n 1 "$OUT/step_trace.log" | cut -c1-160
 # Every rung but "torch attention" (not a speed rung: on the H200 it had not finished after 215 s), each in a fresh
 # process with throughput and batch-1 latency; ablations.json grows after every rung.
 mapfile -t RUNGS < <(python3 -c "from nanoengine.bench import ABLATIONS
