@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, graph_us  # noqa: E402
+from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, graph_us, scattered_step  # noqa: E402
 
 from nanoengine.bench import bench_workload, provenance  # noqa: E402
 from nanoengine.layers.paged_decode import decode_partition, paged_decode  # noqa: E402
@@ -33,16 +33,7 @@ def step_lengths(step: int) -> list[int]:
 
 def time_case(lens: list[int], orders: bool = True) -> dict:
     """Microseconds per layer with the rows in the batch's order and (if `orders`) longest first."""
-    torch.manual_seed(0)
-    blocks = [math.ceil(n / BLOCK) for n in lens]
-    pools = [tuple(torch.randn(sum(blocks) + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(2)) for _ in range(LAYERS)]
-    tables = torch.full((len(lens), WIDTH), -1, dtype=torch.int32)
-    order, at = torch.randperm(sum(blocks)) + 1, 0
-    for i, b in enumerate(blocks):
-        tables[i, :b] = order[at:at + b]
-        at += b
-    tables, ctx = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    pools, tables, ctx = scattered_step(lens, WIDTH)
     q = torch.randn(len(lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     scale = HEAD_DIM**-0.5
     row = {"batch_order_us": graph_us(lambda i: paged_decode(q, *pools[i], tables, ctx, scale))}

@@ -16,7 +16,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, graph_us  # noqa: E402
+from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, graph_us, scattered_step  # noqa: E402
 
 from nanoengine.bench import provenance  # noqa: E402
 from nanoengine.layers.paged_decode import (  # noqa: E402
@@ -52,18 +52,8 @@ def launch(q, kc, vc, tables, lens, out, part, stats, partition, num_parts, bloc
 def main(path: str) -> dict:
     results = {"provenance": provenance(), "what": __doc__.split("\n\n")[0], "cases": {}}
     for name, lens in CASES.items():
-        torch.manual_seed(0)
-        blocks = [math.ceil(n / BLOCK) for n in lens]
         width = math.ceil(4096 / BLOCK)  # the graph's width at max_model_len 4096
-        pools = [(torch.randn(sum(blocks) + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16),
-                  torch.randn(sum(blocks) + 1, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16))
-                 for _ in range(LAYERS)]
-        tables = torch.full((len(lens), width), -1, dtype=torch.int32)
-        order, at = torch.randperm(sum(blocks)) + 1, 0
-        for i, b in enumerate(blocks):
-            tables[i, :b] = order[at:at + b]
-            at += b
-        tables, ctx = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+        pools, tables, ctx = scattered_step(lens, width)
         q = torch.randn(len(lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         engine_partition = decode_partition(len(lens), KV_HEADS, width * BLOCK)
         split = engine_partition < width * BLOCK

@@ -28,6 +28,21 @@ CASES = {
 }
 
 
+def scattered_step(lens: list[int], width: int, device: str = "cuda") -> tuple[list, torch.Tensor, torch.Tensor]:
+    """One decode step's caches for every layer (bf16, LAYERS pools, blocks handed out in a random order), its block
+    tables (`width` blocks, -1 padded) and its context lengths (int32), seeded with 0."""
+    torch.manual_seed(0)
+    blocks = [math.ceil(n / BLOCK) for n in lens]
+    pools = [tuple(torch.randn(sum(blocks) + 1, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+                   for _ in range(2)) for _ in range(LAYERS)]
+    tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+    order, at = torch.randperm(sum(blocks)) + 1, 0
+    for i, b in enumerate(blocks):
+        tables[i, :b] = order[at:at + b]
+        at += b
+    return pools, tables.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
 def graph_us(fn, repeats: int = 20) -> float:
     """Microseconds per layer of fn(layer) over LAYERS layers, replayed from a CUDA graph."""
     for i in range(LAYERS):
