@@ -35,7 +35,7 @@ SPLIT_SETTINGS = [(None, DECODE_BLOCK_N, 4, 2)] + [  # split steps: the partitio
 def launch(q, kc, vc, tables, lens, out, part, stats, partition, num_parts, block_n, warps, stages, order=None):
     """paged_decode's launch with the tile, warps and stages given (and, unsplit, the sequences' order)."""
     pdl, ordered = pdl_capable(q.device), order is not None and num_parts == 1
-    _decode_kernel[(q.shape[0], KV_HEADS, num_parts)](
+    _decode_kernel[(KV_HEADS, q.shape[0], num_parts)](
         q, kc, vc, tables, lens, order if ordered else lens, out, part, stats, HEAD_DIM**-0.5, q.stride(0),
         q.stride(1), kc.stride(0), kc.stride(1), tables.stride(0), out.stride(0), out.stride(1), PARTITION=partition,
         BLOCK_SIZE=BLOCK, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, D=HEAD_DIM, BLOCK_N=block_n, SPLIT=num_parts > 1,

@@ -348,3 +348,18 @@ def test_a_flash_build_that_fails_the_probe_is_never_trusted(monkeypatch, bad):
         get_attention_backend("flash", **kwargs)
     monkeypatch.setattr(pa, "FlashBackend", type("GoodFlash", (TorchBackend,), {}))
     assert type(get_attention_backend("flash", **kwargs)).__name__ == "GoodFlash"
+
+
+@pytest.mark.parametrize("bad", ["float order", "short order", "too many rows"])
+def test_paged_decode_refuses_a_bad_order_or_batch_before_launching(bad):
+    """The Triton decode kernel's wrapper names a wrong `order` or an oversize batch, on any device."""
+    pytest.importorskip("triton")
+    from nanoengine.layers.paged_decode import paged_decode
+
+    rows = 65_536 if bad == "too many rows" else 3
+    q = torch.zeros(rows, 4, 16)
+    caches = torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)
+    tables, lens = torch.zeros(rows, 1, dtype=torch.int32), torch.ones(rows, dtype=torch.int32)
+    order = {"float order": torch.zeros(3), "short order": torch.arange(2)}.get(bad)
+    with pytest.raises(ValueError, match="order must be|at most 65,535 sequences"):
+        paged_decode(q, *caches, tables, lens, 0.25, order)

@@ -61,10 +61,10 @@ if triton is not None:
         GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         ORDERED: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
     ):
-        seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # q and the block tables may be the previous kernel's output: wait for it
             tl.extra.cuda.gdc_wait()
-        if ORDERED:  # the grid's first axis walks the rows in the order given (longest first)
+        if ORDERED:  # the grid's sequence axis walks the rows in the order given (longest first)
             seq = tl.load(order_ptr + seq)
         num_keys = tl.load(lens_ptr + seq)
         start = part * PARTITION
@@ -99,7 +99,7 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row with no keys stays 0
         if SPLIT:  # a partial result and its (max, sum) for the combine kernel
-            row = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + part
+            row = (seq * tl.num_programs(0) * GROUP + heads) * tl.num_programs(2) + part
             tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=(g < GROUP)[:, None])
             tl.store(stats_ptr + row * 2, m_i, mask=g < GROUP)
             tl.store(stats_ptr + row * 2 + 1, l_i, mask=g < GROUP)
@@ -180,6 +180,16 @@ def paged_decode(
     if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_decode needs q's rows and both caches contiguous in memory")
     (num_seqs, num_heads, head_dim), num_kv_heads = q.shape, k_cache.shape[2]
+    if num_seqs > 65_535:  # the most programs a CUDA grid's second axis can hold
+        raise ValueError(f"paged_decode takes at most 65,535 sequences a call, got {num_seqs}")
+    if order is not None and (
+        order.shape != (num_seqs,) or order.dtype not in (torch.int32, torch.int64)
+        or order.device != q.device
+    ):
+        raise ValueError(
+            f"order must be an int32 or int64 [{num_seqs}] on {q.device}, got {order.dtype} "
+            f"{tuple(order.shape)} on {order.device}"
+        )
     block_size, width = k_cache.shape[1], block_tables.shape[1]
     partition = decode_partition(num_seqs, num_kv_heads, width * block_size)
     num_parts = triton.cdiv(width * block_size, partition)
@@ -192,7 +202,8 @@ def paged_decode(
         stats = torch.empty(num_seqs * num_heads * num_parts, 2, device=q.device)
     group = num_heads // num_kv_heads
     pdl, ordered = pdl_capable(q.device), order is not None and num_parts == 1
-    _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
+    # KV heads on the grid's fastest axis: a sequence's 8 programs start together (section 2)
+    _decode_kernel[(num_kv_heads, num_seqs, num_parts)](
         q, k_cache, v_cache, block_tables, context_lens, order if ordered else context_lens, out,
         part, stats, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), PARTITION=partition,
