@@ -243,6 +243,13 @@ class _RunnerBase(_RunnerMemory):
         self.sampler = Sampler()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
+        self.backend = select_attention_backend(
+            self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
+            shape=(first.num_heads, first.num_kv_heads, first.head_dim),
+        )
+        # the largest prefill before anything else runs the compiled kernels: their launch
+        # settings are tuned on the sizes of their first calls (see the text below)
+        self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
         self.gemv_report = (
             choose_gemv([m.weight for m in self.model.modules() if isinstance(m, LinearBase)])
             if self.device.type == "cuda"
@@ -251,11 +258,6 @@ class _RunnerBase(_RunnerMemory):
         self.fused_report = (
             choose_fusions(fusion_pairs(self.model)) if self.device.type == "cuda" else {}
         )  # per shape: norm or activation fused into the projection, or not (chapter 11.2)
-        self.backend = select_attention_backend(
-            self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
-            shape=(first.num_heads, first.num_kv_heads, first.head_dim),
-        )
-        self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
