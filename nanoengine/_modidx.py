@@ -370,6 +370,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                              'nanoengine/engine/scheduler.py'),
                                              'nanoengine.engine.scheduler.Scheduler': ( 'scheduler.html#scheduler',
                                                                                         'nanoengine/engine/scheduler.py'),
+                                             'nanoengine.engine.scheduler.Scheduler._account_ahead': ( 'scheduler.html#scheduler._account_ahead',
+                                                                                                       'nanoengine/engine/scheduler.py'),
                                              'nanoengine.engine.scheduler.Scheduler.schedule_ahead': ( 'scheduler.html#scheduler.schedule_ahead',
                                                                                                        'nanoengine/engine/scheduler.py'),
                                              'nanoengine.engine.scheduler.SchedulerBase': ( 'scheduler.html#schedulerbase',

@@ -135,6 +135,7 @@ def measure_throughput(
         "decode_seconds": sum(r.seconds for r in decode),
         "mean_decode_batch": sum(r.num_seqs for r in decode) / max(1, len(decode)),
         "decode_steps_planned_ahead": sum(r.planned_ahead for r in decode),
+        "prefill_steps_planned_ahead": sum(r.planned_ahead for r in prefill),
         "preemptions": sum(r.num_preempted for r in steps),
     }
 
@@ -252,6 +253,7 @@ ABLATIONS = {
     "no Triton GEMV": {"env": {"NANOENGINE_GEMV": "0"}},
     "no Triton decode": {"env": {"NANOENGINE_PAGED_DECODE": "0"}},
     "no longest-first decode": {"env": {"NANOENGINE_DECODE_ORDER": "0"}},
+    "no prompt steps planned ahead": {"env": {"NANOENGINE_PLAN_PROMPTS": "0"}},
     "no fused prologues": {"env": {"NANOENGINE_FUSED": "0"}},
     "no fused RoPE + store": {"env": {"NANOENGINE_ROPE_STORE": "0"}},
     "no one-pass sampler": {"env": {"NANOENGINE_RACE_KERNEL": "0"}},

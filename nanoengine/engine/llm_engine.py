@@ -24,7 +24,7 @@ from .model_runner import LaunchedStep, ModelRunner, kv_block_bytes
 from .scheduler import PENDING_TOKEN, ScheduledBatch, Scheduler
 from .sequence import Sequence
 from ..sampling_params import SamplingParams
-from ..utils.checks import InvalidTypeError, check_bool
+from ..utils.checks import InvalidTypeError, check_bool, env_switch
 from ..utils.dist import tp_world
 from ..utils.loader import resolve_model_path
 
@@ -176,6 +176,8 @@ class _EngineBase(_EngineSetup):
                 self.model_runner = ModelRunner(self.config)
         self.config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler.from_config(self.config, self.eos_token_ids)
+        # steps with prompt work planned ahead too; NANOENGINE_PLAN_PROMPTS=0: decode steps only
+        self.scheduler.plan_prompts = env_switch("NANOENGINE_PLAN_PROMPTS")
         self.trace: deque[StepRecord] = deque(maxlen=100_000)
 
     def _check_open(self) -> None:
@@ -399,7 +401,7 @@ class _EngineSteps(_EngineDrain):
     def step(self) -> list[Sequence]:
         """Complete one step (launching one first if none is in flight); returns finished sequences.
 
-        With async scheduling the decode step after it is planned and launched before its tokens are
+        With async scheduling the step after it is planned and launched before its tokens are
         awaited."""
         self._check_open()
         self._abort_deferred()
@@ -416,7 +418,7 @@ class _EngineSteps(_EngineDrain):
             if ahead is not None:
                 try:
                     step = self.model_runner.launch(
-                        ahead.seqs, False, after=launched, source_rows=ahead.source_rows
+                        ahead.seqs, ahead.is_prefill, after=launched, source_rows=ahead.source_rows
                     )
                     self._in_flight = (ahead, step)
                 except BaseException:

@@ -379,12 +379,16 @@ class _RunnerStep(_RunnerPacking):
         input_ids, positions = (
             self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
         )
-        if previous is not None:
-            input_ids = (
+        if previous is not None and source_rows:
+            taken = (
                 previous
                 if len(source_rows) == len(previous)
                 else previous[self._tensor(source_rows, torch.int64)]
-            )  # [B]: sampled on the device, never copied to the host
+            )  # [D]: sampled on the device, never copied to the host
+            if is_prefill:  # a mixed step: its D decode rows come first, one token each
+                input_ids[: len(source_rows)] = taken
+            else:
+                input_ids = taken
         batch = self.prepare_sample(seqs)
         if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             ctx = self.step.current
@@ -425,8 +429,8 @@ class ModelRunner(_RunnerStep):
     ) -> LaunchedStep:
         """Queue one step (forward pass and sampling) without waiting for its tokens.
 
-        With `after`, a decode step planned ahead: row i's input token is row source_rows[i] of that
-        step's output."""
+        With `after`, a step planned ahead: the input token of its i-th decode row (decode rows
+        come first) is row source_rows[i] of that step's output."""
         self._check_launch(seqs, is_prefill, after, source_rows)
         return self._launch(seqs, is_prefill, after, source_rows)
 
@@ -442,12 +446,15 @@ class ModelRunner(_RunnerStep):
                 "a sequence's block_size differs from the engine's kvcache_block_size "
                 f"{self.block_size}"
             )
-        if after is not None and (
-            is_prefill or source_rows is None or len(source_rows) != len(seqs)
+        if after is None:
+            return
+        num_decodes = len(seqs) if not is_prefill else sum(not seq.is_prefill for seq in seqs)
+        if source_rows is None or len(source_rows) != num_decodes or any(
+            seq.is_prefill for seq in seqs[:num_decodes]
         ):
             raise ValueError(
-                "only a decode step, with one source row per sequence, can take its input tokens "
-                "from a step in flight"
+                "a step that takes its input tokens from a step in flight needs its decode rows "
+                "first and one source row for each"
             )
 
     def _launch(

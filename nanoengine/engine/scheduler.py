@@ -26,9 +26,10 @@ class ScheduledBatch:
     is_prefill: bool
     num_batched_tokens: int
     preempted: list[Sequence] = field(default_factory=list)
-    # planned ahead: row i's input is the token of row source_rows[i] before
+    # planned ahead: decode row i's input is the token of row source_rows[i] before
     source_rows: list[int] | None = None
     step: int = 0  # the scheduler's step number for this batch (1, 2, ...)
+    planned_over: bool = False  # the next step was planned while this one ran (section 6)
 
 # %% ../../notebooks/03_scheduler.ipynb #3aeee135
 class _SchedulerDoor:
@@ -146,8 +147,9 @@ class SchedulerBase(_SchedulerDoor):
     def unschedule(self, batch: ScheduledBatch) -> None:
         """Send the running sequences of a batch that never ran back to the queue, to recompute."""
         for seq in reversed(batch.seqs):
-            if not seq.is_finished:
+            if seq.status is SequenceStatus.RUNNING:
                 self.running.remove(seq)
+            if not seq.is_finished:  # a prompt chunk still waiting keeps its place in the queue
                 self.preempt(seq)
 
 # %% ../../notebooks/03_scheduler.ipynb #016137b0
@@ -213,11 +215,18 @@ class _SchedulerPost(_SchedulerStep):
             self.block_manager.hash_blocks, self.eos_token_ids, self.block_size,
         )
         for seq, token_id in zip(batch.seqs, token_ids):
-            if seq.status is _FINISHED:
-                continue  # aborted, or stopped while this step was in flight: its token is dropped
             if seq.last_token == PENDING_TOKEN:
-                # planned ahead (section 6): the placeholder becomes the real token
+                # planned over (section 6): the placeholder becomes the real token
                 seq.token_ids[-1] = seq.last_token = token_id
+                if seq.status is _FINISHED:  # its last token: retired when planning over
+                    if not seq.sampling_params.ignore_eos and token_id in eos_token_ids:
+                        seq.finish_reason = "stop"
+                    finished.append(seq)
+                    continue
+            elif seq.status is _FINISHED or batch.planned_over:
+                # aborted or stopped in flight (its token is dropped), or a prompt chunk that
+                # schedule_ahead has accounted for already
+                continue
             else:
                 cached = seq.num_cached_tokens
                 if (cached + seq.num_scheduled_tokens) // block_size > cached // block_size:
@@ -245,33 +254,54 @@ class _SchedulerPost(_SchedulerStep):
 class Scheduler(_SchedulerPost):
     """Continuous batching: all running sequences decode each step, prompts fill the rest."""
 
+    plan_prompts: bool = True  # plan steps with prompt work ahead too (NANOENGINE_PLAN_PROMPTS)
+
     def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """Plan the decode step after `batch` before its tokens are known; None if it cannot."""
-        if batch.is_prefill or self.waiting:
+        """Plan the step after `batch` before its tokens are known; None if it cannot."""
+        if batch.planned_over or (not self.plan_prompts and (batch.is_prefill or self.waiting)):
             return None
-        alive = [(row, seq) for row, seq in enumerate(batch.seqs) if not seq.is_finished]
-        if not alive or len(alive) != len(self.running):
-            return None
+        rows = [(row, seq) for row, seq in enumerate(batch.seqs) if seq.status is not _FINISHED]
+        sampling = [  # the rows whose token is a real one: decodes and last chunks of prompts
+            (row, seq) for row, seq in rows
+            if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
+        ]
+        if len(sampling) != len(self.running):
+            return None  # someone is running outside this batch
         going_on = [
-            (row, seq)
-            for row, seq in alive
+            seq for _, seq in sampling
             if seq.num_completion_tokens + 1 < seq.sampling_params.max_tokens
         ]
+        if not going_on and not self.waiting:
+            return None  # the last step: nothing comes after it
         new_blocks = sum(
-            seq.num_tokens == len(seq.block_table) * self.block_size for _, seq in going_on
+            seq.num_tokens == len(seq.block_table) * self.block_size for seq in going_on
         )
-        if not going_on or new_blocks > self.block_manager.num_free_blocks:
-            return None
-        if going_on[0][1].last_token == PENDING_TOKEN:  # planned ahead from this batch already
-            return None
-        self.num_steps += 1
-        for row, seq in going_on:
-            self.block_manager.hash_blocks(seq)
+        if new_blocks > self.block_manager.num_free_blocks:
+            return None  # someone may have to be preempted: decided synchronously
+        self._account_ahead(batch, rows)
+        ahead = self.schedule()
+        if ahead.preempted:
+            raise RuntimeError("schedule_ahead preempted a sequence (please report this bug)")
+        row_of = {seq: row for row, seq in sampling}
+        ahead.source_rows = [row_of[seq] for seq in ahead.seqs if not seq.is_prefill]
+        return ahead
+
+    def _account_ahead(self, batch: ScheduledBatch, rows: list[tuple[int, Sequence]]) -> None:
+        """`postprocess`'s bookkeeping for `batch` with placeholder tokens; a sequence whose
+        placeholder is its last token is retired at once, its blocks freed."""
+        hash_blocks, retired = self.block_manager.hash_blocks, False
+        for _, seq in rows:
+            hash_blocks(seq)
             seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if seq.num_cached_tokens < seq.num_tokens:
+                continue  # a prompt chunk: no token yet
             seq.append_token(PENDING_TOKEN)
-            self.block_manager.may_append(seq)
-        rows = [row for row, _ in going_on]
-        return ScheduledBatch(
-            [seq for _, seq in going_on], False, len(going_on), source_rows=rows,
-            step=self.num_steps,
-        )
+            if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
+                seq.status, seq.finish_reason = _FINISHED, "length"
+                self.block_manager.deallocate(seq)
+                retired = True
+        if retired:
+            self.running = deque(s for s in self.running if s.status is not _FINISHED)
+        batch.planned_over = True
+
