@@ -205,3 +205,107 @@ def test_random_workloads_always_finish_with_invariants_intact(num_blocks, block
     drain(sch, random.Random(seed), vocab=4)
     assert all(s.is_finished for s in accepted)
     check_invariants(sch.block_manager, [])
+
+
+def _step_like_the_engine(plan_ahead: bool, num_blocks: int, block_size: int, budget: int, max_num_seqs: int,
+                          requests: list, arrivals: dict, eos: tuple) -> tuple[list, list, list]:
+    """Step a scheduler as the engine does, planning each step ahead when `plan_ahead` and the scheduler allow, with
+    tokens that depend only on the request and the position. Returns the steps (phase, rows, preemptions), the
+    completions and finish reasons; the requests of `arrivals[k]` join before step k is chosen
+    (or when nothing runs)."""
+    sch = Scheduler(num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                    max_model_len=64, eos_token_ids=eos)
+    seqs, index = [], {}
+
+    def add(prompt, max_tokens):
+        s = Sequence(prompt, SamplingParams(max_tokens=max_tokens), block_size=block_size)
+        try:
+            sch.add(s)
+        except ValueError:
+            return
+        index[s.seq_id] = len(seqs)
+        seqs.append(s)
+
+    def tokens(batch):  # the token sampled at index num_tokens of each row's request
+        return [(index[s.seq_id] * 7 + s.num_tokens * 3) % 5 for s in batch.seqs]
+
+    def record(batch):
+        return batch.is_prefill, [(index[s.seq_id], s.num_scheduled_tokens) for s in batch.seqs], len(batch.preempted)
+
+    for prompt, max_tokens in requests:
+        add(prompt, max_tokens)
+    arrivals = dict(arrivals)
+
+    def arrive():  # the requests due before the next step is chosen; the next ones at once if nothing runs
+        due = [k for k in arrivals if k <= sch.num_steps + 1]
+        if not due and arrivals and sch.is_finished() and in_flight is None:
+            due = [min(arrivals)]
+        for k in sorted(due):
+            for prompt, max_tokens in arrivals.pop(k):
+                add(prompt, max_tokens)
+
+    steps, in_flight, i = [], None, 0
+    while not sch.is_finished() or in_flight is not None or arrivals:
+        i += 1
+        if in_flight is None:
+            arrive()
+            if sch.is_finished():
+                continue
+            batch = sch.schedule()
+            in_flight = (batch, tokens(batch))
+            steps.append(record(batch))
+        (batch, sampled), in_flight = in_flight, None
+        if plan_ahead:
+            arrive()
+        ahead = sch.schedule_ahead(batch) if plan_ahead else None
+        if ahead is not None:
+            assert not ahead.preempted and len(ahead.source_rows) == sum(not s.is_prefill for s in ahead.seqs)
+            in_flight = (ahead, tokens(ahead))
+            steps.append(record(ahead) + ("ahead",))
+        sch.postprocess(batch, sampled)
+        check_invariants(sch.block_manager, list(sch.running) + [s for s in sch.waiting if s.block_table])
+        assert i < 10_000, "did not finish"
+    assert all(s.is_finished and -1 not in s.token_ids for s in seqs)
+    check_invariants(sch.block_manager, [])
+    return steps, [s.completion_token_ids for s in seqs], [s.finish_reason for s in seqs]
+
+
+_workload = dict(
+    num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(1, 40),
+    max_num_seqs=st.integers(1, 6),
+    requests=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=24), st.integers(1, 12)),
+                      min_size=1, max_size=10),
+    arrivals=st.dictionaries(st.integers(0, 30), st.lists(
+        st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=24), st.integers(1, 12)), max_size=3),
+        max_size=4),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(**_workload)
+def test_planned_steps_are_the_steps_schedule_would_take(num_blocks, block_size, budget, max_num_seqs, requests,
+                                                         arrivals):
+    """Without stop tokens a step planned ahead (prompt chunks, retired requests and arrivals included) is exactly
+    the step `schedule()` takes after `postprocess`, so both loops take the same steps and produce the same tokens."""
+    sync = _step_like_the_engine(False, num_blocks, block_size, budget, max_num_seqs, requests, arrivals, ())
+    ahead = _step_like_the_engine(True, num_blocks, block_size, budget, max_num_seqs, requests, arrivals, ())
+    assert [s[:3] for s in ahead[0]] == sync[0]
+    assert ahead[1:] == sync[1:]
+
+
+@settings(max_examples=60, deadline=None)
+@given(**_workload)
+def test_planning_ahead_with_stop_tokens_gives_the_same_tokens(num_blocks, block_size, budget, max_num_seqs,
+                                                               requests, arrivals):
+    """With stop tokens a stopped request's planned row is wasted and the steps may differ, never the tokens."""
+    sync = _step_like_the_engine(False, num_blocks, block_size, budget, max_num_seqs, requests, arrivals, (0,))
+    ahead = _step_like_the_engine(True, num_blocks, block_size, budget, max_num_seqs, requests, arrivals, (0,))
+    assert ahead[1:] == sync[1:]
+
+
+def test_a_step_with_prompt_work_is_planned_ahead_after_a_prefill_and_a_mixed_step():
+    steps, _, _ = _step_like_the_engine(True, 24, 4, 8, 6, [([1, 2, 3], 3), (list(range(11)), 4)],
+                                        {2: [([3, 2], 3)]}, ())
+    planned = [s for s in steps if len(s) == 4]
+    assert any(prefill for prefill, *_ in planned), "a step with a prompt chunk was planned ahead"
+    assert len(planned) == len(steps) - 1, "every step after the first was planned ahead"
