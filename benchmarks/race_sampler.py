@@ -5,7 +5,9 @@ NANOENGINE_RACE_KERNEL flipped between them), and test the kernel's frequencies 
 
 Every row at temperature 0.6, bf16 logits of Qwen3's 151,936 tokens; 50 calls back to back after a warm-up, timed
 by CUDA events, so that a path bounded by its launches is timed as the engine runs it. The chi-square test draws
-102,400 tokens from 20 logits, each repeated over the vocabulary, at temperature 0.8."""
+102,400 tokens from 20 logits, each repeated over the vocabulary, at temperature 0.8. `kernel_only` times the two
+kernels alone, 20 calls captured in a CUDA graph and replayed, with the noise's logarithms by the GPU's approximate
+instruction (as the engine runs them) and by libdevice's exact functions (the kernel before session 16)."""
 import json
 import math
 import os
@@ -14,7 +16,7 @@ import sys
 import torch
 
 from nanoengine.bench import provenance
-from nanoengine.layers.race_kernel import race_sample
+from nanoengine.layers.race_kernel import RACE_CHUNK, _race_chunk_kernel, _race_pick_kernel, race_sample
 from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.sampling_params import SamplingParams
 
@@ -56,6 +58,49 @@ def _chi_square() -> dict:
     return {"statistic": stat, "dof": 19, "p_value": p_value, "draws": int(counts.sum().item())}
 
 
+def _graph_us(fn, calls: int = 20) -> float:
+    """Microseconds per call of `fn`, `calls` of them captured in one CUDA graph, best of five replays."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    best = float("inf")
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / calls)
+    return best
+
+
+def kernel_only() -> list[dict]:
+    """GPU time of the chunk and pick kernels per call, the fast and the exact logarithms."""
+    import triton
+    rows = []
+    for b in BATCHES:
+        logits = torch.randn(b, VOCAB, device="cuda", dtype=torch.bfloat16) * 3
+        temps = torch.full((b,), 0.6, device="cuda")
+        chunks = triton.cdiv(VOCAB, RACE_CHUNK)
+        best = torch.empty(b, chunks, device="cuda")
+        index = torch.empty(b, chunks, dtype=torch.int32, device="cuda")
+        out = torch.empty(b, dtype=torch.int64, device="cuda")
+        row = {"batch": b}
+        for key, fast in (("exact_log_us", False), ("fast_log_us", True)):
+            def call(fast=fast):
+                _race_chunk_kernel[(b, chunks)](
+                    logits, temps, best, index, 12345, VOCAB, logits.stride(0), chunks,
+                    CHUNK=RACE_CHUNK, FAST=fast, num_warps=4,
+                )
+                _race_pick_kernel[(b,)](best, index, out, chunks, CHUNKS_PAD=triton.next_power_of_2(chunks))
+            row[key] = round(_graph_us(call), 2)
+        rows.append(row)
+    return rows
+
+
 def measure() -> dict:
     """Per-call times of both paths for each batch size, and the kernel's chi-square test."""
     sampler, timings = Sampler(), []
@@ -68,7 +113,7 @@ def measure() -> dict:
             row[key] = round(_per_call_us(lambda: sampler(logits, batch)), 2)
         os.environ.pop("NANOENGINE_RACE_KERNEL")
         timings.append(row)
-    return {"timings": timings, "chi_square": _chi_square()}
+    return {"timings": timings, "kernel_only": kernel_only(), "chi_square": _chi_square()}
 
 
 if __name__ == "__main__":

@@ -338,6 +338,32 @@ def test_the_installed_flash_attn_is_probed_before_it_is_trusted():
                 get_attention_backend("flash", shape=(4, 2, head_dim), **kw)
 
 
+def test_race_kernel_noise_on_the_gpu_stays_within_its_stated_error():
+    """Section 11.4's noise as the GPU computes it (lg2.approx), on 2^20 + 2 bit patterns spread over all 32 bits, against
+    float64: every score term log2(E) within 1e-4 of the exact one (the race's odds moved by under 0.007%)."""
+    import triton
+    import triton.language as tl
+
+    from nanoengine.layers.race_kernel import _exponential, _log2
+
+    @triton.jit
+    def noise_kernel(bits_ptr, e_ptr, log_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        e = _exponential(tl.load(bits_ptr + i, mask=i < n, other=0), True)
+        tl.store(e_ptr + i, e, mask=i < n)
+        tl.store(log_ptr + i, _log2(e, True), mask=i < n)
+
+    grid = torch.arange(0, 2**32, 2**12, dtype=torch.int64) + torch.randint(0, 2**12, (2**20,))
+    bits = torch.cat([torch.tensor([0, 2**32 - 1]), grid]).cuda()
+    e, log_e = torch.empty(bits.numel(), device="cuda"), torch.empty(bits.numel(), device="cuda")
+    noise_kernel[(triton.cdiv(bits.numel(), 1024),)](bits.to(torch.uint32), e, log_e, bits.numel(), BLOCK=1024)
+    exact = -torch.log1p(-(bits.double() + 0.5) / 2**32)
+    finite = torch.isfinite(e)
+    assert bool((e > 0).all()) and int((~finite).sum()) <= 1  # only the last pattern may round to v = 1
+    assert float(((e[finite].double() - exact[finite]) / exact[finite]).abs().max()) < 5e-5
+    assert float((log_e[finite].double() - torch.log2(exact[finite])).abs().max()) < 1e-4
+
+
 def test_race_kernel_frequencies_match_the_softmax_over_the_whole_vocabulary():
     """Section 11.4's one-pass sampler, 102,400 draws over Qwen3's 151,936 tokens (20 logits, each repeated): the
     chi-square test that caught the first version's E = 0 bug (one row in 220 won by a uniformly drawn token)."""

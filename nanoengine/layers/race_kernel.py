@@ -4,6 +4,8 @@
 __all__ = ['RACE_CHUNK', 'race_sample', 'race_kernel_enabled', 'race_kernel_serves', 'draw_seed']
 
 # %% ../../notebooks/11d_race_kernel.ipynb #29cc67df
+import os
+
 import torch
 
 from ..utils.checks import check_int, env_switch
@@ -11,6 +13,7 @@ from ..utils.checks import check_int, env_switch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:
     triton = None
 
@@ -19,11 +22,20 @@ RACE_CHUNK = 2048  # vocabulary entries per program
 if triton is not None:
 
     @triton.jit
-    def _exponential(bits):
+    def _log2(x, FAST: tl.constexpr):
+        """log2(x): the GPU's one-instruction approximation (FAST), or libdevice's exact one."""
+        if FAST:
+            return libdevice.fast_log2f(x)  # lg2.approx.ftz.f32
+        else:
+            return tl.log2(x)
+
+    @triton.jit
+    def _exponential(bits, FAST: tl.constexpr):
         """Exp(1) noise from 32 random bits, precise where the race is decided (small values)."""
         v = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # (bits + 1/2) / 2^32, in (0, 1]
-        # -log(1 - v); for small v its series, since 1 - v would round away v's low bits
-        return tl.where(v < 1e-3, v * (1.0 + v * (0.5 + v / 3.0)), -tl.log(1.0 - v))
+        # -log(1 - v); below 1/100 its series, since 1 - v would round away v's low bits
+        series = v * (1.0 + v * (0.5 + v * (0.33333334 + v * (0.25 + v * 0.2))))
+        return tl.where(v < 0.01, series, -0.6931471805599453 * _log2(1.0 - v, FAST))
 
 # %% ../../notebooks/11d_race_kernel.ipynb #21c1ebd5
 if triton is not None:
@@ -31,13 +43,14 @@ if triton is not None:
     @triton.jit(do_not_specialize=["seed"])
     def _race_chunk_kernel(
         logits_ptr, temps_ptr, best_ptr, index_ptr, seed, vocab, stride_row, num_chunks,
-        CHUNK: tl.constexpr,
+        CHUNK: tl.constexpr, FAST: tl.constexpr,
     ):
         row, chunk = tl.program_id(0), tl.program_id(1)
         QUARTER: tl.constexpr = CHUNK // 4
         lane = tl.arange(0, QUARTER)
         t = tl.load(temps_ptr + row)
-        inv_t = 1.0 / tl.where(t > 0, t, 1.0)  # a greedy row races at 1; the caller drops it
+        # a greedy row races at 1 (the caller drops it); scores in base 2: log2(e) / T per logit
+        scale = 1.4426950408889634 / tl.where(t > 0, t, 1.0)
         # one Philox call, four independent 32-bit numbers per lane: one for each quarter
         b0, b1, b2, b3 = tl.randint4x(seed, (row * num_chunks + chunk) * QUARTER + lane)
         start = logits_ptr + row.to(tl.int64) * stride_row + chunk * CHUNK
@@ -54,7 +67,7 @@ if triton is not None:
                 bits = b3
             cols = chunk * CHUNK + k * QUARTER + lane
             z = tl.load(start + k * QUARTER + lane, mask=cols < vocab, other=float("-inf"))
-            score = z.to(tl.float32) * inv_t - tl.log(_exponential(bits))  # [QUARTER]
+            score = z.to(tl.float32) * scale - _log2(_exponential(bits, FAST), FAST)  # [QUARTER]
             top, at = tl.max(score, axis=0, return_indices=True)
             better = top > best  # on a tie the earlier quarter, the lower index, stays
             best = tl.where(better, top, best)
@@ -105,7 +118,7 @@ def race_sample(
         return out
     _race_chunk_kernel[(rows, num_chunks)](
         logits, temperatures, best, index, seed, vocab, logits.stride(0), num_chunks,
-        CHUNK=chunk, num_warps=4,
+        CHUNK=chunk, FAST=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4,
     )
     _race_pick_kernel[(rows,)](
         best, index, out, num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks)
