@@ -115,8 +115,10 @@ def fused_gemv(
     return y, new_residual
 
 # %% ../../notebooks/11b_fused.ipynb #41327914
-FUSED_MARGIN = 1.1
-_USE_FUSED: dict[tuple, bool] = {}  # (prologue, rows, out, in, dtype) -> the fused kernel won
+# a fusion is kept unless its kernel is over 5% slower than the pair it replaces: in the
+# model its weights also stream in while the kernel before it finishes, which the timing cannot see
+FUSED_MARGIN = 1.05
+_USE_FUSED: dict[tuple, bool] = {}  # (prologue, rows, out, in, dtype) -> the fused kernel is used
 
 
 def fused_enabled() -> bool:
@@ -193,7 +195,7 @@ def choose_fusions(
                 ), weights, x,
             )
             key = (prologue, m, n, k, dtype)
-            _USE_FUSED.setdefault(key, apart > FUSED_MARGIN * fused)
+            _USE_FUSED.setdefault(key, fused <= FUSED_MARGIN * apart)
             report[f"{prologue} {n}x{k} rows={m}"] = {
                 "apart_us": round(apart, 2), "fused_us": round(fused, 2), "fused": _USE_FUSED[key],
             }
