@@ -224,3 +224,46 @@ def test_abort_while_a_step_is_in_flight_and_step_on_an_idle_engine(small_llm):
     assert all(t >= 0 for t in seq.token_ids)
     bm = small_llm.scheduler.block_manager
     assert small_llm.is_finished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_mixed_steps_split_for_a_backend_that_asks_equal_transformers(ckpt, hf, monkeypatch):
+    """Section 08.1's split of a mixed step (decode rows as a decode step, prompt rows as a prefill), run on a CPU
+    through TorchBackend's two paths; chunked prompts, a shared prefix (prompt rows with cached keys) and preemption."""
+    import nanoengine.engine.model_runner as mr
+    from nanoengine.layers.paged_attention import TorchBackend
+    from nanoengine.layers.paged_decode import TritonDecodeMixin
+
+    parts = []
+
+    class SplitTorch(TritonDecodeMixin, TorchBackend):
+        decode = TorchBackend.decode
+
+        def prefill(self, q, k, v, k_cache, v_cache, ctx, scale):
+            if ctx.decode_rows is not None:
+                d = len(ctx.decode_rows.context_lens)
+                assert 0 < d < q.shape[0] and ctx.prompt_rows.cu_seqlens_q[-1] == q.shape[0] - d
+                parts.append((d, ctx.prompt_rows.block_tables is not None))
+            return super().prefill(q, k, v, k_cache, v_cache, ctx, scale)
+
+    monkeypatch.setattr(mr, "select_attention_backend", lambda *a, **k: SplitTorch())
+    llm = LLM(ckpt, device="cpu", kvcache_block_size=16, num_kvcache_blocks=24, max_num_batched_tokens=64,
+              max_model_len=512)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 380, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 380, (n,), generator=g).tolist() for n in (5, 60, 33, 2, 90, 9, 26)]
+    expected = [transformers_greedy(hf, p, llm.eos_token_ids) for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    got = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got == expected
+    # a prompt arriving while another request decodes: a mixed step whose prompt rows have nothing cached
+    fresh = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (30, 11)]
+    first = llm.add_request(fresh[0], greedy)
+    for _ in range(3):
+        llm.step()
+    second = llm.add_request(fresh[1], greedy)
+    while not llm.is_finished():
+        llm.step()
+    assert [first.completion_token_ids, second.completion_token_ids] == [
+        transformers_greedy(hf, p, llm.eos_token_ids) for p in fresh]
+    assert parts and any(cached for _, cached in parts) and any(not cached for _, cached in parts), parts
+    llm.close()

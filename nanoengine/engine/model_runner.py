@@ -26,7 +26,7 @@ from ..layers.linear import LinearBase
 from ..layers.paged_decode import select_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch
 from ..models.qwen3 import Qwen3ForCausalLM
-from ..utils.context import StepContext, bind_step_context
+from ..utils.context import Context, StepContext, bind_step_context
 from ..utils.dist import tp_rank, tp_size
 from ..utils.loader import load_model
 from ..utils.memory import kv_cache_bytes_per_token
@@ -330,14 +330,42 @@ class _RunnerPacking(_RunnerBase):
             else:
                 slot_mapping += [-1] * (end - start)
         has_cached_keys = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+        cu_q = self._tensor(cu_seqlens_q, torch.int32)
+        cu_k = self._tensor(cu_seqlens_k, torch.int32)
+        tables = self._block_tables(seqs) if has_cached_keys else None
+        parts = self._split_mixed(seqs, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, tables)
         self.step.set(
-            is_prefill=True, cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),
-            cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32), max_seqlen_q=max_seqlen_q,
+            is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, slot_mapping=self._tensor(slot_mapping, torch.int32),
-            block_tables=self._block_tables(seqs) if has_cached_keys else None,
+            block_tables=tables, **parts,
         )
         # [N], [N]
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+
+    def _split_mixed(
+        self, seqs: list[Sequence], cu_seqlens_q: list[int], cu_seqlens_k: list[int],
+        cu_q: torch.Tensor, cu_k: torch.Tensor, tables: torch.Tensor | None,
+    ) -> dict:
+        """A mixed step's leading decode rows and its prompt rows as two contexts, for a backend
+        that attends them apart (section 08.1); {} for any other step or backend."""
+        d = 0
+        while d < len(seqs) and not seqs[d].is_prefill:
+            d += 1
+        if not d or d == len(seqs) or not self.backend.splits_mixed_steps:
+            return {}
+        q_lens = [b - a for a, b in zip(cu_seqlens_q[d:], cu_seqlens_q[d + 1:])]
+        k_lens = [b - a for a, b in zip(cu_seqlens_k[d:], cu_seqlens_k[d + 1:])]
+        prompt_cached = cu_seqlens_k[-1] - cu_seqlens_k[d] > cu_seqlens_q[-1] - cu_seqlens_q[d]
+        decode = Context(
+            max_seqlen_k=max(seq.num_tokens for seq in seqs[:d]),
+            context_lens=cu_k[: d + 1].diff(), block_tables=tables[:d],
+        )
+        prompt = Context(
+            is_prefill=True, cu_seqlens_q=cu_q[d:] - cu_q[d], cu_seqlens_k=cu_k[d:] - cu_k[d],
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+            block_tables=tables[d:] if prompt_cached else None,
+        )
+        return {"decode_rows": decode, "prompt_rows": prompt}
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack one new token per sequence; publish slots, context lengths and block tables."""

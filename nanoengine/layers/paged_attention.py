@@ -34,6 +34,7 @@ class AttentionBackend:
     (one query each)."""
 
     name = "base"
+    splits_mixed_steps = False  # wants a mixed step's decode rows as their own step (08.1)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -4,7 +4,7 @@
 __all__ = ['DECODE_BLOCK_N', 'DECODE_PARTITION', 'DECODE_SMALL_PARTITION', 'DECODE_SMALL_PAIRS', 'DECODE_MAX_PARTS',
            'DECODE_SPLIT_BELOW', 'pdl_capable', 'decode_partition', 'paged_decode', 'TritonDecodeMixin',
            'FlashTritonBackend', 'TorchTritonBackend', 'paged_decode_enabled', 'longest_first_enabled',
-           'paged_decode_unavailable_reason', 'select_attention_backend']
+           'split_mixed_enabled', 'paged_decode_unavailable_reason', 'select_attention_backend']
 
 # %% ../../notebooks/08a_paged_decode.ipynb #bf60074d
 import math
@@ -226,6 +226,7 @@ class TritonDecodeMixin:
     """Decode by `paged_decode`; prefill as the backend it is mixed into."""
 
     longest_first: bool = True  # start an unsplit step's sequences longest context first
+    splits_mixed_steps: bool = True  # a mixed step's decode rows by the kernel (section 6)
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
         """One query per sequence over its context_lens keys, read in place: [B, Hq, D]."""
@@ -237,6 +238,17 @@ class TritonDecodeMixin:
         return paged_decode(
             q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, order
         )
+
+    def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
+        """A mixed step split by the runner: its decode rows by the kernel, the prompt rows as the
+        backend's prefill; any other prefill step as the backend's: [N, Hq, D]."""
+        if ctx.decode_rows is None:
+            return super().prefill(q, k, v, k_cache, v_cache, ctx, scale)
+        d = ctx.decode_rows.context_lens.shape[0]
+        out = torch.empty_like(q)  # [N, Hq, D]
+        out[:d] = self.decode(q[:d], k_cache, v_cache, ctx.decode_rows, scale)
+        out[d:] = super().prefill(q[d:], k[d:], v[d:], k_cache, v_cache, ctx.prompt_rows, scale)
+        return out
 
 
 class FlashTritonBackend(TritonDecodeMixin, FlashBackend):
@@ -257,6 +269,12 @@ def longest_first_enabled() -> bool:
     """Whether the kernel starts a large step's sequences longest context first:
     NANOENGINE_DECODE_ORDER unset or '1' yes, '0' no (the rows' own order)."""
     return env_switch("NANOENGINE_DECODE_ORDER")
+
+
+def split_mixed_enabled() -> bool:
+    """Whether a mixed step's decode rows go to the kernel on their own (section 6):
+    NANOENGINE_SPLIT_MIXED unset or '1' yes, '0' no (the whole step through the prefill kernel)."""
+    return env_switch("NANOENGINE_SPLIT_MIXED")
 
 
 def paged_decode_unavailable_reason(
@@ -302,6 +320,7 @@ def select_attention_backend(
         )
         if wrong is None:
             upgraded.longest_first = longest_first_enabled()
+            upgraded.splits_mixed_steps = split_mixed_enabled()
             return upgraded
         warnings.warn(
             f"decoding with {type(backend).__name__}: the Triton decode kernel fails a start-up "
