@@ -11,6 +11,7 @@ __all__ = ['BENCH_PROMPT_TOKENS', 'BENCH_OUTPUT_TOKENS', 'ABLATIONS', 'H200_NUM_
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -459,8 +460,10 @@ HOST_PHASES = ("schedule", "prepare", "sample", "postprocess")
 class HostRunner(_RunnerPacking):
     """The model runner's input packing on the CPU, without a model: its prepare_* methods only."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, max_model_len: int):
         self.device, self.block_size, self.step = torch.device("cpu"), block_size, StepContext()
+        # packed as for the GPU's default backend, which attends a mixed step's decode rows apart
+        self.split_mixed, self.decode_table_width = True, math.ceil(max_model_len / block_size)
 
 
 @dataclass(slots=True)
@@ -521,7 +524,7 @@ def host_workload(
     seqs = [Sequence(p, sp, block_size=kvcache_block_size) for p, sp in zip(prompts, params)]
     for seq in seqs:
         scheduler.add(seq)
-    return scheduler, HostRunner(kvcache_block_size), seqs
+    return scheduler, HostRunner(kvcache_block_size, max_model_len), seqs
 
 
 def summarize_host(steps: list[HostStep]) -> dict:

@@ -247,6 +247,9 @@ class _RunnerBase(_RunnerMemory):
             self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
             shape=(first.num_heads, first.num_kv_heads, first.head_dim),
         )
+        # a mixed step's decode rows apart, with tables as wide as the decode graphs' (_split_mixed)
+        self.split_mixed = self.backend.splits_mixed_steps
+        self.decode_table_width = math.ceil(config.max_model_len / self.block_size)
         # the largest prefill before anything else runs the compiled kernels: their launch
         # settings are tuned on the sizes of their first calls (see the text below)
         self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
@@ -283,6 +286,9 @@ class _RunnerBase(_RunnerMemory):
 # %% ../../notebooks/09_model_runner.ipynb #ec2fb850
 class _RunnerPacking(_RunnerBase):
     """Packing scheduled sequences into the step's tensors and its attention layout."""
+
+    split_mixed: bool = False  # attend a mixed step's decode rows apart (its backend asks)
+    decode_table_width: int = 0  # ... their block tables padded this wide
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         """A flat list of ints as a tensor on the runner's device (pinned, non-blocking on GPU).
@@ -351,14 +357,19 @@ class _RunnerPacking(_RunnerBase):
         d = 0
         while d < len(seqs) and not seqs[d].is_prefill:
             d += 1
-        if not d or d == len(seqs) or not self.backend.splits_mixed_steps:
+        if not d or d == len(seqs) or not self.split_mixed:
             return {}
         q_lens = [b - a for a, b in zip(cu_seqlens_q[d:], cu_seqlens_q[d + 1:])]
         k_lens = [b - a for a, b in zip(cu_seqlens_k[d:], cu_seqlens_k[d + 1:])]
         prompt_cached = cu_seqlens_k[-1] - cu_seqlens_k[d] > cu_seqlens_q[-1] - cu_seqlens_q[d]
+        # the decode rows' tables as wide as the decode graphs' (chapter 11): the kernel variants
+        # they compiled at start-up serve these rows too, and none is compiled mid-run
+        width = max(self.decode_table_width, tables.shape[1])
+        decode_tables = torch.full((d, width), -1, dtype=torch.int32, device=tables.device)
+        decode_tables[:, : tables.shape[1]] = tables[:d]
         decode = Context(
             max_seqlen_k=max(seq.num_tokens for seq in seqs[:d]),
-            context_lens=cu_k[: d + 1].diff(), block_tables=tables[:d],
+            context_lens=cu_k[: d + 1].diff(), block_tables=decode_tables,
         )
         prompt = Context(
             is_prefill=True, cu_seqlens_q=cu_q[d:] - cu_q[d], cu_seqlens_k=cu_k[d:] - cu_k[d],
