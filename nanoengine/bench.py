@@ -254,6 +254,7 @@ ABLATIONS = {
     "no Triton GEMV": {"env": {"NANOENGINE_GEMV": "0"}},
     "no Triton decode": {"env": {"NANOENGINE_PAGED_DECODE": "0"}},
     "no longest-first decode": {"env": {"NANOENGINE_DECODE_ORDER": "0"}},
+    "no split mixed steps": {"env": {"NANOENGINE_SPLIT_MIXED": "0"}},
     "no prompt steps planned ahead": {"env": {"NANOENGINE_PLAN_PROMPTS": "0"}},
     "no fused prologues": {"env": {"NANOENGINE_FUSED": "0"}},
     "no fused RoPE + store": {"env": {"NANOENGINE_ROPE_STORE": "0"}},
