@@ -247,9 +247,7 @@ class _RunnerBase(_RunnerMemory):
             self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
             shape=(first.num_heads, first.num_kv_heads, first.head_dim),
         )
-        # a mixed step's decode rows apart, with tables as wide as the decode graphs' (_split_mixed)
-        self.split_mixed = self.backend.splits_mixed_steps
-        self.decode_table_width = math.ceil(config.max_model_len / self.block_size)
+        self.split_mixed = self.backend.splits_mixed_steps  # decode rows apart (_split_mixed)
         # the largest prefill before anything else runs the compiled kernels: their launch
         # settings are tuned on the sizes of their first calls (see the text below)
         self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
@@ -269,6 +267,7 @@ class _RunnerBase(_RunnerMemory):
                 block_size=self.block_size, hidden_size=config.hf_config.hidden_size,
                 dtype=self.dtype, device=self.device, step_context=self.step,
             )
+            self.decode_table_width = self.graphs.max_blocks  # see _split_mixed
 
     def _backend_name(self) -> str:
         """The attention backend to ask for: FlashAttention computes only in float16/bfloat16."""
@@ -288,7 +287,7 @@ class _RunnerPacking(_RunnerBase):
     """Packing scheduled sequences into the step's tensors and its attention layout."""
 
     split_mixed: bool = False  # attend a mixed step's decode rows apart (its backend asks)
-    decode_table_width: int = 0  # ... their block tables padded this wide
+    decode_table_width: int = 0  # ... their block tables padded this wide (the decode graphs')
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         """A flat list of ints as a tensor on the runner's device (pinned, non-blocking on GPU).
@@ -364,9 +363,8 @@ class _RunnerPacking(_RunnerBase):
         prompt_cached = cu_seqlens_k[-1] - cu_seqlens_k[d] > cu_seqlens_q[-1] - cu_seqlens_q[d]
         # the decode rows' tables as wide as the decode graphs' (chapter 11): the kernel variants
         # they compiled at start-up serve these rows too, and none is compiled mid-run
-        width = max(self.decode_table_width, tables.shape[1])
-        decode_tables = torch.full((d, width), -1, dtype=torch.int32, device=tables.device)
-        decode_tables[:, : tables.shape[1]] = tables[:d]
+        pad = max(0, self.decode_table_width - tables.shape[1])
+        decode_tables = torch.nn.functional.pad(tables[:d], (0, pad), value=-1)  # [d, width]
         decode = Context(
             max_seqlen_k=max(seq.num_tokens for seq in seqs[:d]),
             context_lens=cu_k[: d + 1].diff(), block_tables=decode_tables,
