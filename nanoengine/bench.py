@@ -2,10 +2,10 @@
 
 # %% auto #0
 __all__ = ['BENCH_PROMPT_TOKENS', 'BENCH_OUTPUT_TOKENS', 'ABLATIONS', 'H200_NUM_KV_BLOCKS', 'HOST_PHASES', 'HOST_SETTINGS',
-           'bench_workload', 'provenance', 'ensure_checkpoint', 'measure_throughput', 'measure_latency',
-           'measure_decode_sweep', 'measure_step_profile', 'run_ablations', 'main', 'HostRunner', 'HostStep',
-           'fabricated_tokens', 'host_steps', 'host_workload', 'summarize_host', 'median_of', 'measure_host',
-           'host_only']
+           'bench_workload', 'provenance', 'ensure_checkpoint', 'compiles_inside', 'measure_throughput',
+           'measure_latency', 'measure_decode_sweep', 'measure_step_profile', 'run_ablations', 'main', 'HostRunner',
+           'HostStep', 'fabricated_tokens', 'host_steps', 'host_workload', 'summarize_host', 'median_of',
+           'measure_host', 'host_only']
 
 # %% ../notebooks/13_benchmarks.ipynb #ffc3dcd6
 import argparse
@@ -19,12 +19,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 from time import perf_counter, perf_counter_ns
 
 import torch
+from torch._dynamo.utils import counters as dynamo_counters
 
 from .engine.model_runner import _RunnerPacking
 from .engine.scheduler import Scheduler
@@ -32,6 +34,11 @@ from .engine.sequence import Sequence
 from .sampling_params import SamplingParams
 from .utils.checks import check_int
 from .utils.context import StepContext
+
+try:
+    from triton import knobs as triton_knobs
+except ImportError:  # no triton: nothing of ours compiles
+    triton_knobs = None
 
 BENCH_PROMPT_TOKENS, BENCH_OUTPUT_TOKENS = 142_827, 133_966
 
@@ -104,6 +111,29 @@ def ensure_checkpoint(preset: str, directory: str | os.PathLike | None = None) -
     return path
 
 
+# %% ../notebooks/13_benchmarks.ipynb #c4fffbe5
+@contextmanager
+def compiles_inside() -> Iterator[dict]:
+    """What this process compiles inside the block: Triton kernel variants it builds (compiled or
+    read from the disk cache) by kernel name, and the number of new torch.compile graphs."""
+    found: dict = {"triton": {}, "torch_compile_graphs": 0}
+    runtime = triton_knobs.runtime if triton_knobs is not None else None
+    previous = runtime.jit_cache_hook if runtime is not None else None
+
+    def count(*, fn, **kwargs):
+        found["triton"][fn.name] = found["triton"].get(fn.name, 0) + 1
+        return previous(fn=fn, **kwargs) if previous is not None else None  # truthy: skip
+
+    graphs = dynamo_counters["stats"]["unique_graphs"]
+    if runtime is not None:
+        runtime.jit_cache_hook = count
+    try:
+        yield found
+    finally:
+        if runtime is not None:
+            runtime.jit_cache_hook = previous
+        found["torch_compile_graphs"] = dynamo_counters["stats"]["unique_graphs"] - graphs
+
 # %% ../notebooks/13_benchmarks.ipynb #b0a45fbd
 def measure_throughput(
     llm, num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024
@@ -112,11 +142,12 @@ def measure_throughput(
     prompts, params = bench_workload(num_seqs, max_input_len, max_output_len)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     first_step = llm.scheduler.num_steps
-    _sync()
-    start = perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    _sync()
-    seconds = perf_counter() - start
+    with compiles_inside() as compiled:
+        _sync()
+        start = perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        _sync()
+        seconds = perf_counter() - start
     num_output = sum(len(o["token_ids"]) for o in outputs)
     if num_output != sum(p.max_tokens for p in params):
         raise RuntimeError(
@@ -138,6 +169,7 @@ def measure_throughput(
         "decode_steps_planned_ahead": sum(r.planned_ahead for r in decode),
         "prefill_steps_planned_ahead": sum(r.planned_ahead for r in prefill),
         "preemptions": sum(r.num_preempted for r in steps),
+        "compiled_in_run": compiled,  # should be nothing: start-up work inside the timing
     }
 
 
@@ -157,12 +189,14 @@ def measure_latency(llm, prompt_len: int = 100, extra_tokens: int = 512, repeats
         _sync()
         return perf_counter() - start
 
-    base = min(timed(1) for _ in range(repeats))
-    full = min(timed(1 + extra_tokens) for _ in range(repeats))
+    with compiles_inside() as compiled:
+        base = min(timed(1) for _ in range(repeats))
+        full = min(timed(1 + extra_tokens) for _ in range(repeats))
     return {
         "prompt_tokens": prompt_len,
         "extra_tokens": extra_tokens,
         "ms_per_token": 1000 * (full - base) / extra_tokens,
+        "compiled_in_run": compiled,
     }
 
 
@@ -367,6 +401,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 # %% ../notebooks/13_benchmarks.ipynb #f2181d16
+def _print_compiles(timing: str, compiled: dict) -> None:
+    """A line naming what compiled inside a timed run, when anything did."""
+    if compiled["triton"] or compiled["torch_compile_graphs"]:
+        kernels = ", ".join(f"{name} x{n}" for name, n in sorted(compiled["triton"].items()))
+        print(
+            f"  compiled inside the {timing} timing: {kernels or 'no Triton kernel'}; "
+            f"{compiled['torch_compile_graphs']} torch.compile graphs"
+        )
+
+
 def _measure_engine(llm, args: argparse.Namespace) -> dict:
     """What the engine is, then each measurement `args` asks for on it, printed as it ends."""
     results: dict = {
@@ -389,9 +433,11 @@ def _measure_engine(llm, args: argparse.Namespace) -> dict:
             f"({results['throughput']['output_tokens']:,} tokens in "
             f"{results['throughput']['seconds']:.2f} s)"
         )
+        _print_compiles("throughput", results["throughput"]["compiled_in_run"])
     if args.latency:
         results["latency"] = measure_latency(llm)
         print(f"batch-1 decode: {results['latency']['ms_per_token']:.3f} ms per output token")
+        _print_compiles("latency", results["latency"]["compiled_in_run"])
     if args.decode_sweep:
         results["decode_sweep"] = measure_decode_sweep(llm, [1, 2, 4, 8, 16, 32, 64, 128, 256])
         print("decode sweep:", json.dumps(results["decode_sweep"]))

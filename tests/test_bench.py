@@ -37,6 +37,8 @@ def test_a_scaled_down_run_on_cpu(tmp_path):
     expected = sum(p.max_tokens for p in bench_workload(4, 110, 104)[1])
     assert results["throughput"]["output_tokens"] == expected and results["throughput"]["output_tok_per_s"] > 0
     assert results["engine_info"]["attention_backend"] == "TorchBackend"
+    # on a CPU the engine compiles nothing (torch.compile serves CUDA inputs), least of all inside the timing
+    assert results["throughput"]["compiled_in_run"] == {"triton": {}, "torch_compile_graphs": 0}
 
 
 # --- the host-only mode: scheduler, block manager and input packing without a model --------------------------------

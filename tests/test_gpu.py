@@ -410,3 +410,32 @@ def test_the_sampler_uses_the_race_kernel_for_unseeded_rows_and_keeps_greedy_and
     monkeypatch.setenv("NANOENGINE_RACE_KERNEL", "0")
     Sampler()(logits, batch)
     assert not calls
+
+
+def test_compiles_inside_counts_a_triton_variant_the_first_time_this_process_builds_it():
+    """Chapter 13's `compiles_inside`: a kernel new to the process is counted by name once, the same launch again is
+    not, a new value of a constexpr is a new variant, and the hook in place before is back afterwards."""
+    import triton
+    import triton.language as tl
+
+    from nanoengine.bench import compiles_inside
+
+    @triton.jit
+    def add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+    x = torch.zeros(100, device="cuda")
+    before = triton.knobs.runtime.jit_cache_hook
+    with compiles_inside() as first:
+        add_one_kernel[(1,)](x, 100, BLOCK=128)
+    with compiles_inside() as again:
+        add_one_kernel[(1,)](x, 100, BLOCK=128)
+    with compiles_inside() as other:
+        add_one_kernel[(2,)](x, 100, BLOCK=64)
+    torch.cuda.synchronize()
+    name = add_one_kernel.fn.__qualname__  # Triton's name for it: "test_...<locals>.add_one_kernel"
+    assert first == {"triton": {name: 1}, "torch_compile_graphs": 0}, first
+    assert again == {"triton": {}, "torch_compile_graphs": 0}, again
+    assert other["triton"] == {name: 1}, other
+    assert triton.knobs.runtime.jit_cache_hook is before and bool((x == 3).all())
