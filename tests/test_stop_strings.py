@@ -267,3 +267,30 @@ def test_a_stream_decodes_each_token_a_bounded_number_of_times(ckpt):
     assert "".join(e.text for e in events) == expected["text"]
     assert [t for e in events for t in e.token_ids] == expected["token_ids"]
     assert len(events) > 100 and sum(decoded) < 10 * 120, sum(decoded)
+
+
+def test_batch_decode_gives_the_strings_decode_gives_one_by_one(llm):
+    """generate decodes its completions in one Rust call; special and unknown ids included."""
+    from nanoengine.engine.llm_engine import batch_decodable
+
+    assert batch_decodable(llm.tokenizer)
+    special = sorted(llm.tokenizer.all_special_ids)
+    lists = [[], special, [5, special[0], 7, 2**20, 9], list(range(0, 400, 3)), [special[-1]] * 3]
+    assert llm._decode_all(lists) == [llm._decode(ids) for ids in lists]
+
+
+def test_batch_decode_falls_back_where_decode_is_changed(llm, monkeypatch):
+    """A tokenizer that cleans up spaces (or overrides decode) is decoded one by one, unchanged."""
+    from nanoengine.engine.llm_engine import batch_decodable
+
+    monkeypatch.setattr(llm.tokenizer, "clean_up_tokenization_spaces", True)
+    assert not batch_decodable(llm.tokenizer)
+    ids = [[5, 6, 7], [8]]
+    assert llm._decode_all(ids) == [llm._decode(i) for i in ids]
+    monkeypatch.setattr(llm, "tokenizer", None)
+    assert llm._decode_all(ids) == [None, None]
+
+
+def test_generate_texts_equal_decode_one_by_one(llm, plain):
+    outs = llm.generate(PROMPTS, params(), use_tqdm=False)
+    assert [o["text"] for o in outs] == [llm._decode(o["token_ids"]) for o in plain]

@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['Prompt', 'CONFIG_ARGUMENTS', 'ENGINE_ARGUMENTS', 'CONTROL_PLANES', 'TOKENIZER_FILES', 'StepRecord', 'StreamEvent',
-           'LLMEngine', 'LLM', 'find_stop', 'held_back', 'IncrementalText']
+           'batch_decodable', 'LLMEngine', 'LLM', 'find_stop', 'held_back', 'IncrementalText']
 
 # %% ../../notebooks/10_llm_engine.ipynb #777fa51e
 import difflib
@@ -17,7 +17,7 @@ from pathlib import Path
 from time import perf_counter
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from ..config import Config, check_fits_in_memory
 from .model_runner import LaunchedStep, ModelRunner, kv_block_bytes
@@ -435,6 +435,18 @@ class _EngineSteps(_EngineDrain):
         return self.async_scheduling
 
 # %% ../../notebooks/10_llm_engine.ipynb #502d978c
+def batch_decodable(tokenizer) -> bool:
+    """A plain fast tokenizer: `decode` is its Rust decoder's, with nothing overridden and no
+    clean-up of spaces, so the Rust batch decoder gives the same strings."""
+    cls = type(tokenizer)
+    return (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
+
+
 class _EngineGenerate(_EngineSteps):
     """generate: queue every request, step until all are finished, return ordered results."""
 
@@ -443,20 +455,31 @@ class _EngineGenerate(_EngineSteps):
             return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _text(self, seq: Sequence) -> str | None:
-        """The completion's text; for a request stopped by a stop string, the text before it."""
-        text = self._decode(seq.completion_token_ids)
+    def _decode_all(self, token_lists: list[list[int]]) -> list[str | None]:
+        """Many completions' texts, the same strings as `_decode` one by one; a plain fast
+        tokenizer decodes them in one call, in parallel, in Rust."""
+        tok = self.tokenizer
+        if tok is None:
+            return [None] * len(token_lists)
+        if not batch_decodable(tok):
+            return [self._decode(ids) for ids in token_lists]
+        return tok.backend_tokenizer.decode_batch(token_lists, skip_special_tokens=True)
+
+    def _text(self, seq: Sequence, text: str | None = None) -> str | None:
+        """The completion's text (decoded here unless given); for a request stopped by a stop
+        string, the text before it."""
+        text = self._decode(seq.completion_token_ids) if text is None else text
         stop = seq.sampling_params.stop
         if text is not None and stop and seq.finish_reason == "stop":
             cut = find_stop(text, stop)
             text = text if cut < 0 else text[:cut]
         return text
 
-    def _output(self, seq: Sequence) -> dict:
-        """text, token_ids (every token generated, the one that completed a stop string
+    def _output(self, seq: Sequence, text: str | None) -> dict:
+        """text (decoded), token_ids (every token generated, the one that completed a stop string
         included)."""
         return {
-            "text": self._text(seq), "token_ids": seq.completion_token_ids,
+            "text": self._text(seq, text), "token_ids": seq.completion_token_ids,
             "finish_reason": seq.finish_reason, "prompt_token_ids": seq.prompt_token_ids,
         }
 
@@ -505,7 +528,8 @@ class _EngineGenerate(_EngineSteps):
                 bar.update(finished_now)
         finally:
             bar.close()
-        return [self._output(seq) for seq in seqs]
+        texts = self._decode_all([seq.completion_token_ids for seq in seqs])
+        return [self._output(seq, text) for seq, text in zip(seqs, texts)]
 
 
 # %% ../../notebooks/10_llm_engine.ipynb #f6ed2dfb
