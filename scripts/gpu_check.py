@@ -243,14 +243,30 @@ def run_notebook(path: Path, timeout: float, executed: Path | None) -> dict:
     return {"name": path.stem, "ok": error is None, "seconds": seconds, **({"error": error} if error else {})}
 
 
-def run_notebook_isolated(path: Path, cell_timeout: float, limit: float, executed: Path | None) -> dict:
-    """run_notebook in its own process group, killed with its kernel when `limit` seconds pass."""
+def longest_first(paths: list[Path], record: Path) -> list[Path]:
+    """The notebooks ordered by their time in an earlier check (`record`), longest first, unknown ones first of all:
+    with several at once, the long ones no longer start last and finish past the deadline."""
+    try:
+        seconds = {r["name"]: r["seconds"] for r in json.loads(record.read_text()).get("notebooks", [])}
+    except (OSError, ValueError, KeyError, TypeError):
+        seconds = {}
+    return sorted(paths, key=lambda p: (-seconds.get(p.stem, float("inf")), p.name))
+
+
+def run_notebook_isolated(path: Path, cell_timeout: float, limit: float, executed: Path | None,
+                          threads: int | None = None) -> dict:
+    """run_notebook in its own process group, killed with its kernel when `limit` seconds pass.
+
+    `threads`: CPU threads for the kernel (OMP_NUM_THREADS), so that notebooks run at once do not oversubscribe."""
     cmd = [sys.executable, __file__, "--one", str(path), "--cell-timeout", str(cell_timeout)]
     if executed is not None:
         cmd += ["--executed", str(executed)]
+    env = os.environ.copy()
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         out, _ = proc.communicate(timeout=max(1.0, limit))
         result = json.loads(out.strip().splitlines()[-1])
@@ -334,13 +350,15 @@ def main(argv: list[str] | None = None) -> dict:
             summary["notebooks"] = [done[name] for name in sorted(done)]
             write_summary(summary, args.out)  # after every notebook: a killed run keeps what it did
 
-        def run(path: Path) -> dict:
-            return run_notebook_isolated(path, args.cell_timeout, end - time.perf_counter(), args.executed)
+        threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs)) if args.jobs > 1 else None
+
+        def run(path: Path, threads: int | None = threads) -> dict:
+            return run_notebook_isolated(path, args.cell_timeout, end - time.perf_counter(), args.executed, threads)
 
         alone = [p for p in paths if p.stem in set(args.alone)]
         for path in alone:
-            record(run(path))
-        rest = [p for p in paths if p not in alone]
+            record(run(path, None))
+        rest = longest_first([p for p in paths if p not in alone], ROOT / "benchmarks" / "gpu_check.json")
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             for result in pool.map(run, rest):
                 record(result)

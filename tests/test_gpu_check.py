@@ -59,3 +59,12 @@ def test_merge_counts_a_notebook_run_again_and_keeps_the_earlier_run(tmp_path):
     assert summary["ok"] and [n["name"] for n in summary["notebooks"]] == ["00_orientation", "03_scheduler"]
     assert summary["notebook_reruns"] == [{"name": "03_scheduler", "earlier": first["notebooks"][1],
                                            "later": {"name": "03_scheduler", "ok": True, "seconds": 23.8}}]
+
+
+def test_notebooks_start_longest_first_and_unknown_ones_before_all(tmp_path):
+    record = tmp_path / "check.json"
+    record.write_text(json.dumps({"notebooks": [{"name": "a", "seconds": 5.0}, {"name": "b", "seconds": 90.0},
+                                                {"name": "c", "seconds": 30.0}]}))
+    paths = [Path(f"{name}.ipynb") for name in ("a", "b", "c", "new")]
+    assert [p.stem for p in gpu_check.longest_first(paths, record)] == ["new", "b", "c", "a"]
+    assert [p.stem for p in gpu_check.longest_first(paths, tmp_path / "missing.json")] == ["a", "b", "c", "new"]
