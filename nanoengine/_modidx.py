@@ -356,6 +356,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                        'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner._RunnerSizing.allocate_kv_cache': ( 'model_runner.html#_runnersizing.allocate_kv_cache',
                                                                                                                     'nanoengine/engine/model_runner.py'),
+                                                'nanoengine.engine.model_runner._RunnerSizing.keep_activation_memory': ( 'model_runner.html#_runnersizing.keep_activation_memory',
+                                                                                                                         'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner._RunnerSizing.kv_blocks_that_fit': ( 'model_runner.html#_runnersizing.kv_blocks_that_fit',
                                                                                                                      'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner._RunnerSizing.warmup': ( 'model_runner.html#_runnersizing.warmup',

@@ -294,6 +294,21 @@ def test_close_gives_the_gpu_back_and_a_second_engine_starts(ckpt):
     assert after - before < 300 * MIB and reserved - before < 600 * MIB
 
 
+def test_the_worst_steps_activation_memory_stays_cached_and_the_first_large_prefill_takes_no_new_segment(ckpt):
+    """keep_activation_memory: after start-up the measured peak lies free in the caching allocator, and the first
+    prefill of the largest size takes its memory from there (no new large segment: no cudaMalloc inside the run)."""
+    with LLM(ckpt, kvcache_block_size=256, max_model_len=1024, max_num_batched_tokens=4096, max_num_seqs=64,
+             gpu_memory_utilization=0.5) as llm:
+        peak = llm.model_runner.peak_activation_bytes
+        allocated, reserved = allocated_and_reserved()
+        assert reserved - allocated >= peak > 0
+        before = torch.cuda.memory_stats()["segment.large_pool.allocated"]  # segments created so far
+        prompts = [[(7 * i + j) % 300 + 3 for j in range(1000)] for i in range(8)]  # two steps of 4,096 tokens
+        llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        added = torch.cuda.memory_stats()["segment.large_pool.allocated"] - before
+        assert added == 0, f"{added} new large segment(s) in the first large prefill (peak {peak / MIB:.0f} MiB)"
+
+
 def test_gpu_memory_utilization_is_each_engines_share(ckpt):
     """Two engines at 0.4 share one GPU; a third does not fit and says why; closing one makes room."""
     kwargs = dict(kvcache_block_size=256, max_model_len=1024, enforce_eager=True, gpu_memory_utilization=0.4)

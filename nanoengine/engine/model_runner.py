@@ -105,6 +105,11 @@ class _RunnerSizing:
         torch.cuda.empty_cache()
         return peak
 
+    def keep_activation_memory(self) -> None:
+        """Leave the worst step's activation memory cached (one free segment of the caching
+        allocator), so that the first large prefill takes it from there, not from the driver."""
+        torch.empty(self.peak_activation_bytes, dtype=torch.uint8, device=self.device)
+
     def allocate_kv_cache(self) -> int:
         """Size the KV pool (the smallest over the ranks), allocate it and bind it to the layers."""
         self.local_num_kvcache_blocks = self.kv_blocks_that_fit()
@@ -268,6 +273,8 @@ class _RunnerBase(_RunnerMemory):
                 dtype=self.dtype, device=self.device, step_context=self.step,
             )
             self.decode_table_width = self.graphs.max_blocks  # see _split_mixed
+        if self.device.type == "cuda":
+            self.keep_activation_memory()  # budgeted with the pool: no cudaMalloc in the first run
 
     def _backend_name(self) -> str:
         """The attention backend to ask for: FlashAttention computes only in float16/bfloat16."""
