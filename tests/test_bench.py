@@ -89,3 +89,17 @@ def test_host_only_on_the_command_line(tmp_path):
     host = json.loads(out.read_text())["host_only"]
     assert host["repeats"] == 2 and host["output_tokens"] == sum(p.max_tokens for p in bench_workload(4, 110, 104)[1])
     assert "decode:" in done.stdout and "model" not in json.loads(out.read_text())
+
+
+def test_the_ladder_runs_the_reference_backend_only_when_named_and_refuses_unknown_rungs(tmp_path, monkeypatch):
+    import nanoengine.bench as bench
+
+    def not_run(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, "", "not run")
+
+    monkeypatch.setattr(bench.subprocess, "run", not_run)
+    assert list(bench.run_ablations(tmp_path, tmp_path)) == [n for n in bench.ABLATIONS if n not in
+                                                               bench.ONLY_WHEN_NAMED]
+    assert bench.run_ablations(tmp_path, tmp_path, ["torch attention"])["torch attention"]["error"] == "not run"
+    with pytest.raises(ValueError, match="unknown ablation rung"):
+        bench.run_ablations(tmp_path, tmp_path, ["no such rung"])
