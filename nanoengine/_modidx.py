@@ -4,6 +4,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
   'syms': { 'nanoengine.bench': { 'nanoengine.bench.HostRunner': ('benchmarks.html#hostrunner', 'nanoengine/bench.py'),
                                   'nanoengine.bench.HostRunner.__init__': ('benchmarks.html#hostrunner.__init__', 'nanoengine/bench.py'),
                                   'nanoengine.bench.HostStep': ('benchmarks.html#hoststep', 'nanoengine/bench.py'),
+                                  'nanoengine.bench._allocator_segments': ('benchmarks.html#_allocator_segments', 'nanoengine/bench.py'),
                                   'nanoengine.bench._measure_engine': ('benchmarks.html#_measure_engine', 'nanoengine/bench.py'),
                                   'nanoengine.bench._parser': ('benchmarks.html#_parser', 'nanoengine/bench.py'),
                                   'nanoengine.bench._print_compiles': ('benchmarks.html#_print_compiles', 'nanoengine/bench.py'),

@@ -135,19 +135,27 @@ def compiles_inside() -> Iterator[dict]:
         found["torch_compile_graphs"] = dynamo_counters["stats"]["unique_graphs"] - graphs
 
 # %% ../notebooks/13_benchmarks.ipynb #b0a45fbd
+def _allocator_segments() -> int:
+    """Segments the CUDA caching allocator has taken from the driver so far (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.memory_stats().get("segment.all.allocated", 0)
+
+
 def measure_throughput(
     llm, num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024
 ) -> dict:
     """Output tokens per second on the benchmark workload, after one warm-up request."""
     prompts, params = bench_workload(num_seqs, max_input_len, max_output_len)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-    first_step = llm.scheduler.num_steps
+    first_step, segments = llm.scheduler.num_steps, _allocator_segments()
     with compiles_inside() as compiled:
         _sync()
         start = perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         _sync()
         seconds = perf_counter() - start
+    segments = _allocator_segments() - segments
     num_output = sum(len(o["token_ids"]) for o in outputs)
     if num_output != sum(p.max_tokens for p in params):
         raise RuntimeError(
@@ -170,6 +178,10 @@ def measure_throughput(
         "prefill_steps_planned_ahead": sum(r.planned_ahead for r in prefill),
         "preemptions": sum(r.num_preempted for r in steps),
         "compiled_in_run": compiled,  # should be nothing: start-up work inside the timing
+        # ... as should these, each a place where it could hide:
+        "prefill_step_ms": [round(1000 * r.seconds, 1) for r in prefill],  # a slow first one?
+        "outside_steps_seconds": seconds - sum(r.seconds for r in steps),  # before and after them
+        "allocator_segments_added": segments,  # cudaMalloc calls of the caching allocator
     }
 
 

@@ -39,6 +39,9 @@ def test_a_scaled_down_run_on_cpu(tmp_path):
     assert results["engine_info"]["attention_backend"] == "TorchBackend"
     # on a CPU the engine compiles nothing (torch.compile serves CUDA inputs), least of all inside the timing
     assert results["throughput"]["compiled_in_run"] == {"triton": {}, "torch_compile_graphs": 0}
+    run = results["throughput"]
+    assert len(run["prefill_step_ms"]) == run["prefill_steps"] > 0 and run["allocator_segments_added"] == 0
+    assert 0 <= run["outside_steps_seconds"] < run["seconds"]
 
 
 # --- the host-only mode: scheduler, block manager and input packing without a model --------------------------------
