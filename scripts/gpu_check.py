@@ -100,6 +100,14 @@ def provenance() -> dict:
             "transformers": version_of("transformers"), "content_sha256": content_digest(checked_files())}
 
 
+def env_with_threads(threads: int | None) -> dict[str, str]:
+    """This process's environment, with `threads` CPU threads per child (OMP_NUM_THREADS) when given."""
+    env = os.environ.copy()
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
 def _pytest(args: list[str], timeout: float, log, threads: int | None = None) -> dict:
     """One pytest run: counts and failing test names from its JUnit report; SIGINT at the time limit.
 
@@ -110,9 +118,7 @@ def _pytest(args: list[str], timeout: float, log, threads: int | None = None) ->
     log.write(f"$ {' '.join(cmd[1:])}\n")
     log.flush()
     start = log.tell()
-    env = os.environ.copy()
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env = env_with_threads(threads)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         proc.wait(timeout=max(1.0, timeout))
@@ -261,9 +267,7 @@ def run_notebook_isolated(path: Path, cell_timeout: float, limit: float, execute
     cmd = [sys.executable, __file__, "--one", str(path), "--cell-timeout", str(cell_timeout)]
     if executed is not None:
         cmd += ["--executed", str(executed)]
-    env = os.environ.copy()
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env = env_with_threads(threads)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True, env=env)
