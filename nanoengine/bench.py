@@ -305,6 +305,8 @@ ABLATIONS = {
     "no fused prologues": {"env": {"NANOENGINE_FUSED": "0"}},
     "no fused RoPE + store": {"env": {"NANOENGINE_ROPE_STORE": "0"}},
     "no one-pass sampler": {"env": {"NANOENGINE_RACE_KERNEL": "0"}},
+    "no cached activation memory": {"env": {"NANOENGINE_KEEP_ACTIVATIONS": "0"}},
+    "no batched text decode": {"env": {"NANOENGINE_BATCH_DECODE": "0"}},
     "no CUDA graphs": {"enforce_eager": True},
     "no torch.compile": {"env": {"NANOENGINE_COMPILE": "0"}},
     "no prefix caching": {"enable_prefix_caching": False},

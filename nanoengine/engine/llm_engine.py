@@ -461,7 +461,7 @@ class _EngineGenerate(_EngineSteps):
         tok = self.tokenizer
         if tok is None:
             return [None] * len(token_lists)
-        if not batch_decodable(tok):
+        if not batch_decodable(tok) or not env_switch("NANOENGINE_BATCH_DECODE"):
             return [self._decode(ids) for ids in token_lists]
         return tok.backend_tokenizer.decode_batch(token_lists, skip_special_tokens=True)
 

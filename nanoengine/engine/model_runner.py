@@ -26,6 +26,7 @@ from ..layers.linear import LinearBase
 from ..layers.paged_decode import select_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch
 from ..models.qwen3 import Qwen3ForCausalLM
+from ..utils.checks import env_switch
 from ..utils.context import Context, StepContext, bind_step_context
 from ..utils.dist import tp_rank, tp_size
 from ..utils.loader import load_model
@@ -273,7 +274,7 @@ class _RunnerBase(_RunnerMemory):
                 dtype=self.dtype, device=self.device, step_context=self.step,
             )
             self.decode_table_width = self.graphs.max_blocks  # see _split_mixed
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and env_switch("NANOENGINE_KEEP_ACTIVATIONS"):
             self.keep_activation_memory()  # budgeted with the pool: no cudaMalloc in the first run
 
     def _backend_name(self) -> str:
