@@ -358,6 +358,7 @@ def run_ablations(
                 results[name] = {
                     **measured["throughput"],
                     "latency_ms_per_token": measured["latency"]["ms_per_token"],
+                    "engine_info": measured["engine_info"],  # its start-up choices: GEMV, fusions
                 }
             else:
                 results[name] = {"error": done.stderr[-2000:]}
