@@ -151,6 +151,11 @@ class _EngineBase(_EngineSetup):
                 f"{type(self).__name__}() got an unexpected keyword argument {name!r}{hint}"
             )
         self.async_scheduling = check_bool("async_scheduling", async_scheduling)
+        # the ladder's switches (chapter 13), read before any work: steps with prompt work planned
+        # ahead too (NANOENGINE_PLAN_PROMPTS=0: decode steps only); generate's texts decoded in one
+        # call (NANOENGINE_BATCH_DECODE=0: one by one)
+        plan_prompts = env_switch("NANOENGINE_PLAN_PROMPTS")
+        self.batch_decode = env_switch("NANOENGINE_BATCH_DECODE")
         if control_plane not in CONTROL_PLANES:
             raise ValueError(
                 f"control_plane must be one of {CONTROL_PLANES}, got {control_plane!r}"
@@ -176,8 +181,7 @@ class _EngineBase(_EngineSetup):
                 self.model_runner = ModelRunner(self.config)
         self.config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler.from_config(self.config, self.eos_token_ids)
-        # steps with prompt work planned ahead too; NANOENGINE_PLAN_PROMPTS=0: decode steps only
-        self.scheduler.plan_prompts = env_switch("NANOENGINE_PLAN_PROMPTS")
+        self.scheduler.plan_prompts = plan_prompts
         self.trace: deque[StepRecord] = deque(maxlen=100_000)
 
     def _check_open(self) -> None:
@@ -461,7 +465,7 @@ class _EngineGenerate(_EngineSteps):
         tok = self.tokenizer
         if tok is None:
             return [None] * len(token_lists)
-        if not batch_decodable(tok) or not env_switch("NANOENGINE_BATCH_DECODE"):
+        if not (self.batch_decode and batch_decodable(tok)):
             return [self._decode(ids) for ids in token_lists]
         return tok.backend_tokenizer.decode_batch(token_lists, skip_special_tokens=True)
 
