@@ -289,6 +289,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                              'nanoengine/engine/llm_engine.py'),
                                               'nanoengine.engine.llm_engine._EngineSteps._can_plan_ahead': ( 'llm_engine.html#_enginesteps._can_plan_ahead',
                                                                                                              'nanoengine/engine/llm_engine.py'),
+                                              'nanoengine.engine.llm_engine._EngineSteps._launch': ( 'llm_engine.html#_enginesteps._launch',
+                                                                                                     'nanoengine/engine/llm_engine.py'),
                                               'nanoengine.engine.llm_engine._EngineSteps.step': ( 'llm_engine.html#_enginesteps.step',
                                                                                                   'nanoengine/engine/llm_engine.py'),
                                               'nanoengine.engine.llm_engine._EngineStream': ( 'llm_engine.html#_enginestream',

@@ -180,6 +180,9 @@ def measure_throughput(
         "compiled_in_run": compiled,  # should be nothing: start-up work inside the timing
         # ... as should these, each a place where it could hide:
         "prefill_step_ms": [round(1000 * r.seconds, 1) for r in prefill],  # a slow first one?
+        # the host's time to queue each step: above the step's kernel time, the GPU waits for it
+        "prefill_launch_ms": [round(1000 * r.launch_seconds, 1) for r in prefill],
+        "decode_launch_ms_median": 1000 * median([r.launch_seconds for r in decode] or [0.0]),
         "outside_steps_seconds": seconds - sum(r.seconds for r in steps),  # before and after them
         "allocator_segments_added": segments,  # cudaMalloc calls of the caching allocator
     }
@@ -190,7 +193,9 @@ def measure_latency(llm, prompt_len: int = 100, extra_tokens: int = 512, repeats
     prompt = list(range(1, prompt_len + 1))
     llm.generate([prompt], SamplingParams(max_tokens=8), use_tqdm=False)
 
-    def timed(max_tokens: int) -> float:
+    def timed(max_tokens: int) -> tuple[float, list[float]]:
+        """Seconds of one generate, and the launch seconds of its decode steps."""
+        first = llm.scheduler.num_steps
         _sync()
         start = perf_counter()
         llm.generate(
@@ -199,15 +204,17 @@ def measure_latency(llm, prompt_len: int = 100, extra_tokens: int = 512, repeats
             use_tqdm=False,
         )
         _sync()
-        return perf_counter() - start
+        seconds = perf_counter() - start
+        return seconds, [r.launch_seconds for r in llm.trace if r.step > first and not r.is_prefill]
 
     with compiles_inside() as compiled:
-        base = min(timed(1) for _ in range(repeats))
-        full = min(timed(1 + extra_tokens) for _ in range(repeats))
+        base = min(timed(1)[0] for _ in range(repeats))
+        full, launches = min((timed(1 + extra_tokens) for _ in range(repeats)), key=lambda t: t[0])
     return {
         "prompt_tokens": prompt_len,
         "extra_tokens": extra_tokens,
         "ms_per_token": 1000 * (full - base) / extra_tokens,
+        "launch_ms_median": 1000 * median(launches or [0.0]),  # of the fastest run's decode steps
         "compiled_in_run": compiled,
     }
 
@@ -358,6 +365,7 @@ def run_ablations(
                 results[name] = {
                     **measured["throughput"],
                     "latency_ms_per_token": measured["latency"]["ms_per_token"],
+                    "latency_launch_ms": measured["latency"]["launch_ms_median"],  # host's share
                     "engine_info": measured["engine_info"],  # its start-up choices: GEMV, fusions
                 }
             else:

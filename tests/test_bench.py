@@ -42,6 +42,22 @@ def test_a_scaled_down_run_on_cpu(tmp_path):
     run = results["throughput"]
     assert len(run["prefill_step_ms"]) == run["prefill_steps"] > 0 and run["allocator_segments_added"] == 0
     assert 0 <= run["outside_steps_seconds"] < run["seconds"]
+    # the host's time to queue each step (on a CPU the step runs inside its launch)
+    assert len(run["prefill_launch_ms"]) == run["prefill_steps"] and min(run["prefill_launch_ms"]) > 0
+    assert 0 < run["decode_launch_ms_median"] < 1000 * run["decode_seconds"]
+
+
+def test_latency_reports_the_launch_time_of_its_decode_steps(tmp_path):
+    from nanoengine import LLM
+    from nanoengine.bench import measure_latency
+    from nanoengine.utils.checkpoint import write_random_checkpoint
+
+    ckpt = write_random_checkpoint(tmp_path / "tiny", "tiny", seed=0)
+    with LLM(ckpt, device="cpu", kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=128) as llm:
+        r = measure_latency(llm, prompt_len=8, extra_tokens=6, repeats=2)
+        decode = [s.launch_seconds for s in llm.trace if not s.is_prefill]
+    assert r["ms_per_token"] > 0 and r["compiled_in_run"] == {"triton": {}, "torch_compile_graphs": 0}
+    assert len(decode) >= 2 * 6 and 0 < r["launch_ms_median"] <= 1000 * max(decode)  # two timed runs of 6
 
 
 # --- the host-only mode: scheduler, block manager and input packing without a model --------------------------------

@@ -180,6 +180,8 @@ def test_async_scheduling_equals_synchronous_when_requests_stop_mid_flight(ckpt)
     assert ahead == synchronous
     assert sum(reason == "stop" for _, reason in ahead) >= 3 and any(r == "length" for _, r in ahead)
     assert not any(r.planned_ahead for r in sync_trace) and sum(r.planned_ahead for r in ahead_trace) > 5
+    # every step's launch was timed, the planned ones included (chapter 13 compares it with the step)
+    assert all(r.launch_seconds > 0 for r in sync_trace + ahead_trace)
     assert all(t >= 0 for tokens, _ in ahead for t in tokens)
     bm = llm.scheduler.block_manager
     assert llm.is_finished() and bm.num_free_blocks == bm.num_blocks

@@ -51,6 +51,7 @@ class StepRecord:
     num_running: int
     seconds: float
     planned_ahead: bool  # launched before the previous step's tokens were known (async scheduling)
+    launch_seconds: float = 0.0  # host time to queue the step on the device (its launch)
 
 
 @dataclass(slots=True)
@@ -316,7 +317,7 @@ class _EngineCompletion(_EngineRequests):
                 batch.step, batch.is_prefill, batch.num_batched_tokens, len(batch.seqs),
                 len(batch.preempted), bm.num_blocks - bm.num_free_blocks, len(bm.hash_to_block_id),
                 len(self.scheduler.waiting), len(self.scheduler.running), perf_counter() - t0,
-                batch.source_rows is not None,
+                batch.source_rows is not None, launched.launch_seconds,
             )
         )
         return finished
@@ -416,15 +417,12 @@ class _EngineSteps(_EngineDrain):
                 batch = self.scheduler.schedule()
                 if not batch.seqs:
                     return []
-                self._in_flight = (batch, self.model_runner.launch(batch.seqs, batch.is_prefill))
+                self._in_flight = (batch, self._launch(batch))
             (batch, launched), self._in_flight = self._in_flight, None
             ahead = self.scheduler.schedule_ahead(batch) if self._can_plan_ahead() else None
             if ahead is not None:
                 try:
-                    step = self.model_runner.launch(
-                        ahead.seqs, ahead.is_prefill, after=launched, source_rows=ahead.source_rows
-                    )
-                    self._in_flight = (ahead, step)
+                    self._in_flight = (ahead, self._launch(ahead, launched))
                 except BaseException:
                     self._complete(batch, launched, t0)  # the placeholders get their real tokens
                     self.scheduler.unschedule(ahead)
@@ -432,6 +430,16 @@ class _EngineSteps(_EngineDrain):
             return self._complete(batch, launched, t0)
         finally:
             self._busy = False
+
+    def _launch(self, batch: ScheduledBatch, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue `batch` on the runner (after the step in flight, if any), timing the host."""
+        t0 = perf_counter()
+        launched = self.model_runner.launch(
+            batch.seqs, batch.is_prefill, after=after,
+            source_rows=batch.source_rows if after is not None else None,
+        )
+        launched.launch_seconds = perf_counter() - t0
+        return launched
 
     def _can_plan_ahead(self) -> bool:
         """Async scheduling is on: the runner takes inputs from a step in flight (on every rank, the

@@ -82,6 +82,7 @@ class LaunchedStep:
     token_ids: torch.Tensor | None  # [B] int64 on the runner's device (rank 0 only)
     host_ids: torch.Tensor | None  # [B] int64 on the host; valid once `ready` has passed
     ready: "torch.cuda.Event | None"  # None when nothing is asynchronous (CPU)
+    launch_seconds: float = 0.0  # host time the engine spent queuing it (chapter 10)
 
 # %% ../../notebooks/09_model_runner.ipynb #681d4cc0
 class _RunnerSizing:
