@@ -60,6 +60,11 @@ class _GraphBuffers:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.full((n, self.max_blocks), -1, dtype=torch.int32, device=device)
+        # the batch as the runner packs it (chapter 09), a row per sequence: token, position, slot,
+        # context length, block table; each graph starts by spreading it over the buffers above
+        self.packed = torch.full((n, 4 + self.max_blocks), -1, dtype=torch.int64, device=device)
+        self.packed[:, [0, 1, 3]] = 0
+        self.padding = torch.tensor([-1, 0], device=device)  # slot, context length past the batch
         self.outputs = torch.zeros(
             n, hidden_size, dtype=dtype, device=device
         )  # [max_batch, hidden]
@@ -88,16 +93,26 @@ class CUDAGraphDecoder(_GraphBuffers):
         for bs in reversed(self.buckets):
             for max_keys in self.context_variants(bs):
                 self._set_context(bs, max_keys)
-                self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                self._forward(bs)
                 self._set_context(bs, max_keys)  # afresh: nothing derived eagerly is reused
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, self.pool):
-                    self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                    self._forward(bs)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[bs, max_keys] = graph
                 torch.cuda.synchronize()
         self.step_context.reset()
+
+    def _forward(self, bs: int) -> None:
+        """What a graph records: unpack the first `bs` packed rows, run the model on them."""
+        rows = self.packed[:bs]  # [bs, 4 + max_blocks] int64
+        self.input_ids[:bs] = rows[:, 0]
+        self.positions[:bs] = rows[:, 1]
+        self.slot_mapping[:bs] = rows[:, 2]  # int64 -> int32 in the copy
+        self.context_lens[:bs] = rows[:, 3]
+        self.block_tables[:bs] = rows[:, 4:]
+        self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
 
     def _set_context(self, bs: int, max_keys: int) -> None:
         """The context of a capture: the static buffers' first `bs` rows."""
@@ -107,19 +122,19 @@ class CUDAGraphDecoder(_GraphBuffers):
         )
 
     def replay(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        context_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        max_seqlen_k: int = 0,
+        self, packed: torch.Tensor, max_seqlen_k: int = 0, input_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Copy a decode batch into the static buffers, replay its bucket's graph -> [n, hidden].
+        """Copy a packed decode batch in and replay its bucket's graph -> [n, hidden].
 
-        `max_seqlen_k`, the longest context in the batch (0 = unknown), picks the short-context
-        graph when it fits."""
-        n, width = block_tables.shape
+        `packed` [n, 4 + width] int64 holds a row per sequence as `ModelRunner.pack_decode` builds
+        it: token, position, slot, context length, block table. `input_ids` [n], when given,
+        replaces the tokens (a step planned ahead takes them from the device). `max_seqlen_k`, the
+        longest context in the batch (0 = unknown), picks the short-context graph when it fits."""
+        if packed.dim() != 2 or packed.dtype != torch.int64:
+            raise ValueError(
+                f"packed must be a 2-D int64 tensor, got {packed.dtype} {tuple(packed.shape)}"
+            )
+        n, columns = packed.shape
         bs = bucket_for(self.buckets, n)
         short = (bs, self.short_context)
         graph = (
@@ -127,16 +142,15 @@ class CUDAGraphDecoder(_GraphBuffers):
             if 0 < max_seqlen_k <= self.short_context and short in self.graphs
             else self.graphs[bs, self.max_model_len]
         )
-        if width > self.max_blocks:
+        if not 4 <= columns <= 4 + self.max_blocks:
             raise ValueError(
-                f"block tables of {width} blocks exceed the captured width {self.max_blocks}"
+                f"packed rows need 4 to {4 + self.max_blocks} columns (a block table up to the "
+                f"captured width {self.max_blocks}), got {columns}"
             )
-        self.input_ids[:n] = input_ids
-        self.positions[:n] = positions
-        self.slot_mapping[:n] = slot_mapping
-        self.slot_mapping[n:bs] = -1
-        self.context_lens[:n] = context_lens
-        self.context_lens[n:bs] = 0
-        self.block_tables[:n, :width] = block_tables
+        self.packed[:n, :columns] = packed  # one copy in; the graph unpacks it
+        if input_ids is not None:
+            self.packed[:n, 0] = input_ids
+        if n < bs:
+            self.packed[n:bs, 2:4] = self.padding  # rows past the batch write and read nothing
         graph.replay()
         return self.outputs[:n]

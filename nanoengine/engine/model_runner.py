@@ -190,6 +190,7 @@ class _RunnerMemory(_RunnerSizing):
             layer.backend = None
         self.attention_layers = []
         self.kv_cache = self.graphs = self.model = self.sampler = self.backend = None
+        self.last_sample = ([], None)  # its tensors too
         self.step.reset()
         gc.collect()  # the model's modules refer to each other: free them now
         if self.device.type == "cuda" and self._device_idle(IDLE_SECONDS):
@@ -297,6 +298,7 @@ class _RunnerPacking(_RunnerBase):
 
     split_mixed: bool = False  # attend a mixed step's decode rows apart (its backend asks)
     decode_table_width: int = 0  # ... their block tables padded this wide (the decode graphs')
+    last_sample: tuple[list, SamplingBatch | None] = ([], None)  # the last step's params, batch
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         """A flat list of ints as a tensor on the runner's device (pinned, non-blocking on GPU).
@@ -385,18 +387,22 @@ class _RunnerPacking(_RunnerBase):
         )
         return {"decode_rows": decode, "prompt_rows": prompt}
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pack one new token per sequence; publish slots, context lengths and block tables."""
+    def pack_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """A decode step's rows on the device, [B, 4 + max_blocks] int64: token, position, slot,
+        context length, block table (padded with -1); one host-to-device copy."""
         b, width = self.block_size, max(len(seq.block_table) for seq in seqs)
-        flat: list[int] = []  # row by row: token, position, slot, context length, block table
+        flat: list[int] = []  # row by row
         for seq in seqs:
             n, table = seq.num_tokens, seq.block_table
             flat += (seq.last_token, n - 1, table[-1] * b + (n - 1) % b, n)
             flat += table
             if len(table) < width:
                 flat += [-1] * (width - len(table))
-        # [B, 4 + max_blocks]: one host-to-device copy per step
-        packed = self._tensor(flat, torch.int64).view(len(seqs), 4 + width)
+        return self._tensor(flat, torch.int64).view(len(seqs), 4 + width)
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pack one new token per sequence; publish slots, context lengths and block tables."""
+        packed = self.pack_decode(seqs)
         self.step.set(
             is_prefill=False, slot_mapping=packed[:, 2].contiguous(),
             max_seqlen_k=max(seq.num_tokens for seq in seqs),
@@ -406,11 +412,19 @@ class _RunnerPacking(_RunnerBase):
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
         """Each sequence's sampling settings; a row samples the token at index num_tokens of its
-        sequence."""
-        return SamplingBatch.from_params(
-            [seq.sampling_params for seq in seqs], [seq.num_tokens for seq in seqs],
-            device=self.device, check=False,
+        sequence. The same requests as the last step, none seeded, reuse its tensors."""
+        params = [seq.sampling_params for seq in seqs]
+        last_params, last = self.last_sample
+        if (
+            last is not None and not last.any_seeded and len(params) == len(last_params)
+            and all(a is b for a, b in zip(params, last_params))  # frozen: same object, same values
+        ):
+            return last
+        batch = SamplingBatch.from_params(
+            params, [seq.num_tokens for seq in seqs], device=self.device, check=False
         )
+        self.last_sample = (params, batch)
+        return batch
 
 # %% ../../notebooks/09_model_runner.ipynb #acd73778
 class _RunnerStep(_RunnerPacking):
@@ -422,27 +436,29 @@ class _RunnerStep(_RunnerPacking):
         source_rows: list[int] | None,
     ) -> LaunchedStep:
         """Pack, forward, logits, sample; start copying the tokens to the host."""
-        input_ids, positions = (
-            self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        )
+        taken = None  # [D]: sampled on the device by the step in flight, never copied to the host
         if previous is not None and source_rows:
             taken = (
                 previous
                 if len(source_rows) == len(previous)
                 else previous[self._tensor(source_rows, torch.int64)]
-            )  # [D]: sampled on the device, never copied to the host
-            if is_prefill:  # a mixed step: its D decode rows come first, one token each
-                input_ids[: len(source_rows)] = taken
-            else:
-                input_ids = taken
-        batch = self.prepare_sample(seqs)
+            )
         if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            ctx = self.step.current
+            # the graph unpacks the rows itself (chapter 11): one copy in, one launch
+            packed = self.pack_decode(seqs)  # [B, 4 + max_blocks]
+            batch = self.prepare_sample(seqs)
             hidden = self.graphs.replay(
-                input_ids, positions, ctx.slot_mapping, ctx.context_lens, ctx.block_tables,
-                ctx.max_seqlen_k,
+                packed, max(seq.num_tokens for seq in seqs), input_ids=taken
             )  # [num_seqs, hidden]
         else:
+            input_ids, positions = (
+                self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+            )
+            if taken is not None and is_prefill:  # a mixed step: its decode rows come first
+                input_ids[: len(taken)] = taken
+            elif taken is not None:
+                input_ids = taken
+            batch = self.prepare_sample(seqs)
             hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] (on rank 0 of several)
         token_ids = self._sample(logits, batch, len(seqs))  # [num_seqs] int64, on the device
