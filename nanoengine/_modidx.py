@@ -357,6 +357,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                    'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner._RunnerPacking.prepare_sample': ( 'model_runner.html#_runnerpacking.prepare_sample',
                                                                                                                   'nanoengine/engine/model_runner.py'),
+                                                'nanoengine.engine.model_runner._RunnerPacking.unpacked_rows': ( 'model_runner.html#_runnerpacking.unpacked_rows',
+                                                                                                                 'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner._RunnerSizing': ( 'model_runner.html#_runnersizing',
                                                                                                   'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner._RunnerSizing._gpu_blocks_that_fit': ( 'model_runner.html#_runnersizing._gpu_blocks_that_fit',

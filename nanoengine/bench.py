@@ -314,6 +314,7 @@ ABLATIONS = {
     "no one-pass sampler": {"env": {"NANOENGINE_RACE_KERNEL": "0"}},
     "no cached activation memory": {"env": {"NANOENGINE_KEEP_ACTIVATIONS": "0"}},
     "no batched text decode": {"env": {"NANOENGINE_BATCH_DECODE": "0"}},
+    "no one-copy decode inputs": {"env": {"NANOENGINE_ONE_COPY": "0"}},
     "no CUDA graphs": {"enforce_eager": True},
     "no torch.compile": {"env": {"NANOENGINE_COMPILE": "0"}},
     "no prefix caching": {"enable_prefix_caching": False},

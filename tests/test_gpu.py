@@ -98,6 +98,27 @@ def test_async_graph_decode_with_short_and_long_contexts_equals_synchronous_eage
     assert sum(r.planned_ahead for r in fast.trace) > 30
 
 
+def test_decode_inputs_copied_once_or_column_by_column_give_the_same_tokens(ckpt, monkeypatch):
+    """Graphs fed pack_decode's rows and reused sampling tensors (the default) against the ladder's rung without
+    both (NANOENGINE_ONE_COPY=0): the same tokens, greedy and sampled at a temperature from the same seeds."""
+    prompts = prompts_with_shared_prefix(10, seed=3)
+    kwargs = dict(kvcache_block_size=256, num_kvcache_blocks=32, max_num_seqs=13, max_model_len=1024,
+                  max_num_batched_tokens=512)
+    runs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("NANOENGINE_ONE_COPY", switch)
+        llm = LLM(ckpt, **kwargs)
+        assert llm.model_runner.one_copy_inputs == (switch == "1") and llm.model_runner.graphs is not None
+        outs = []
+        for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                       SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)):
+            torch.manual_seed(0)  # the sampler's per-step seeds come from torch's CPU generator
+            outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.close()
+        runs.append(outs)
+    assert runs[0] == runs[1]
+
+
 def test_flash_decode_with_one_split_equals_the_library_split():
     from nanoengine.layers.paged_attention import FlashBackend, flash_attn_available
     from nanoengine.utils.context import Context

@@ -256,6 +256,7 @@ class _RunnerBase(_RunnerMemory):
             shape=(first.num_heads, first.num_kv_heads, first.head_dim),
         )
         self.split_mixed = self.backend.splits_mixed_steps  # decode rows apart (_split_mixed)
+        self.one_copy_inputs = env_switch("NANOENGINE_ONE_COPY")  # off: the ladder's rung only
         # the largest prefill before anything else runs the compiled kernels: their launch
         # settings are tuned on the sizes of their first calls (see the text below)
         self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
@@ -299,6 +300,7 @@ class _RunnerPacking(_RunnerBase):
     split_mixed: bool = False  # attend a mixed step's decode rows apart (its backend asks)
     decode_table_width: int = 0  # ... their block tables padded this wide (the decode graphs')
     last_sample: tuple[list, SamplingBatch | None] = ([], None)  # the last step's params, batch
+    one_copy_inputs: bool = True  # graphs take pack_decode's rows; sampling tensors are reused
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         """A flat list of ints as a tensor on the runner's device (pinned, non-blocking on GPU).
@@ -400,6 +402,18 @@ class _RunnerPacking(_RunnerBase):
                 flat += [-1] * (width - len(table))
         return self._tensor(flat, torch.int64).view(len(seqs), 4 + width)
 
+    def unpacked_rows(self, seqs: list[Sequence]) -> torch.Tensor:
+        """`pack_decode`'s rows rebuilt from `prepare_decode`'s eager unpacking, one copy per
+        column: the decode inputs as they reached the graphs before 23ee078 (the ladder's rung)."""
+        input_ids, positions = self.prepare_decode(seqs)
+        ctx = self.step.current
+        width = ctx.block_tables.shape[1]
+        rows = torch.empty(len(seqs), 4 + width, dtype=torch.int64, device=self.device)
+        for i, column in enumerate((input_ids, positions, ctx.slot_mapping, ctx.context_lens)):
+            rows[:, i] = column
+        rows[:, 4:] = ctx.block_tables
+        return rows
+
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pack one new token per sequence; publish slots, context lengths and block tables."""
         packed = self.pack_decode(seqs)
@@ -416,7 +430,8 @@ class _RunnerPacking(_RunnerBase):
         params = [seq.sampling_params for seq in seqs]
         last_params, last = self.last_sample
         if (
-            last is not None and not last.any_seeded and len(params) == len(last_params)
+            self.one_copy_inputs and last is not None and not last.any_seeded
+            and len(params) == len(last_params)
             and all(a is b for a, b in zip(params, last_params))  # frozen: same object, same values
         ):
             return last
@@ -445,7 +460,8 @@ class _RunnerStep(_RunnerPacking):
             )
         if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             # the graph unpacks the rows itself (chapter 11): one copy in, one launch
-            packed = self.pack_decode(seqs)  # [B, 4 + max_blocks]
+            # [B, 4 + max_blocks]
+            packed = self.pack_decode(seqs) if self.one_copy_inputs else self.unpacked_rows(seqs)
             batch = self.prepare_sample(seqs)
             hidden = self.graphs.replay(
                 packed, max(seq.num_tokens for seq in seqs), input_ids=taken
