@@ -13,7 +13,6 @@ setting are summed over the sampled steps and scaled by EVERY: an estimate of th
 phase, and of what another partition rule would save."""
 import json
 import math
-import random
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_tune import launch  # noqa: E402
 from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, graph_us  # noqa: E402
 
-from nanoengine.bench import provenance  # noqa: E402
+from nanoengine.bench import bench_workload, provenance  # noqa: E402
 from nanoengine.layers.paged_decode import DECODE_BLOCK_N, decode_partition, paged_decode  # noqa: E402
 
 WIDTH = 4096 // BLOCK  # the decode graphs' block-table width at max_model_len 4096
@@ -33,16 +32,10 @@ PARTITIONS = (256, 512, 1024, 2048)
 
 
 def bench_steps() -> list[list[int]]:
-    """Context lengths of each decode step of the bench workload (the same draws as nanoengine.bench)."""
-    random.seed(0)
-    prompts = []
-    for _ in range(256):
-        n = random.randint(100, 1024)
-        prompts.append(n)
-        for _ in range(n):
-            random.randint(0, 10000)
-    outputs = [random.randint(100, 1024) for _ in range(256)]
-    return [[p + k + 1 for p, o in zip(prompts, outputs) if o - 1 > k] for k in range(max(outputs) - 1)]
+    """Context lengths of each decode step of the bench workload (nanoengine.bench's own draws)."""
+    prompts, params = bench_workload()
+    outputs = [p.max_tokens for p in params]
+    return [[len(p) + k + 1 for p, o in zip(prompts, outputs) if o - 1 > k] for k in range(max(outputs) - 1)]
 
 
 def main(path: str, every: int = 32) -> dict:
