@@ -310,6 +310,7 @@ ABLATIONS = {
     "no split mixed steps": {"env": {"NANOENGINE_SPLIT_MIXED": "0"}},
     "no prompt steps planned ahead": {"env": {"NANOENGINE_PLAN_PROMPTS": "0"}},
     "no fused prologues": {"env": {"NANOENGINE_FUSED": "0"}},
+    "no Triton prologue kernels": {"env": {"NANOENGINE_PROLOGUE_KERNELS": "0"}},
     "no fused RoPE + store": {"env": {"NANOENGINE_ROPE_STORE": "0"}},
     "no one-pass sampler": {"env": {"NANOENGINE_RACE_KERNEL": "0"}},
     "no cached activation memory": {"env": {"NANOENGINE_KEEP_ACTIVATIONS": "0"}},

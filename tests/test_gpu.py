@@ -221,6 +221,42 @@ def test_fused_prologues_equal_the_two_kernels_they_replace_in_bf16():
                                    atol=2e-2, rtol=2e-2)
 
 
+def test_prologue_kernels_round_as_eager_code_does_and_silu_equals_the_compiled_function():
+    """The unfused prologues' Triton kernels (section 11.2) against chapter 04's functions, bf16, 1-16,384 rows."""
+    from nanoengine.layers.activation import silu_and_mul
+    from nanoengine.layers.fused import add_rms_norm_triton, silu_and_mul_triton
+    from nanoengine.layers.layernorm import add_rms_norm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, k in ((1, 1024), (7, 3072), (256, 1024), (16384, 1024)):
+        x, r = torch.randn(2, m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        nw = torch.rand(k, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+        y, res = add_rms_norm_triton(x, r, nw, 1e-6)
+        want, want_res = add_rms_norm.eager(x, r, nw, 1e-6)
+        assert torch.equal(res, want_res)
+        # eager's formula and roundings; only the float32 sum's order differs, one bf16 unit now and then
+        assert (y != want).float().mean().item() < 0.01, (m, k)
+        torch.testing.assert_close(y, want, atol=1 / 64, rtol=1 / 128)
+        gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g)
+        assert torch.equal(silu_and_mul_triton(gu), silu_and_mul(gu)), (m, k)
+
+
+def test_the_prologue_kernels_serve_prompt_and_decode_steps_unless_switched_off(ckpt, monkeypatch):
+    """Graphs, async scheduling and the unfused prologues' kernels vs transformers; NANOENGINE_PROLOGUE_KERNELS=0."""
+    import nanoengine.layers.fused as fused
+    rows = []
+    real = fused.add_rms_norm_triton
+    monkeypatch.setattr(fused, "add_rms_norm_triton", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    check_greedy_against_transformers(ckpt, num_prompts=8)
+    # prompt steps call it eagerly, decode steps when their graphs are captured (or run eagerly)
+    assert max(rows) > 100 and any(n <= 16 for n in rows), rows
+    rows.clear()
+    monkeypatch.setenv("NANOENGINE_PROLOGUE_KERNELS", "0")
+    llm = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=8, max_model_len=512)
+    llm.generate(prompts_with_shared_prefix(4), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    llm.close()
+    assert rows == []
+
+
 def test_greedy_with_every_fusion_forced_equals_transformers_up_to_near_ties(ckpt, monkeypatch):
     """Every fusion chosen (an infinite margin): graphs, async scheduling and the fused kernels against transformers."""
     import nanoengine.layers.fused as fused

@@ -1,4 +1,4 @@
-"""Every Triton kernel (KV store, GEMV, fused GEMV, paged decode with its combine, QK-norm + RoPE + store, the one-pass sampler), run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
+"""Every Triton kernel (KV store, GEMV, fused GEMV, the unfused prologues, paged decode with its combine, QK-norm + RoPE + store, the one-pass sampler), run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
 
 The upper end is whatever `pip install` picked (the newest allowed); the lower end is installed by `make test` into
 .triton-low/ (or found on the device machine, whose image has it). A kernel line that one end cannot interpret
@@ -59,6 +59,16 @@ for m, n, k in [(1, 40, 96), (3, 33, 100)]:
     gu = torch.randn(m, 2 * k, generator=g)
     torch.testing.assert_close(fused_gemv(gu, w, prologue="silu")[0], F.linear(silu_and_mul(gu), w),
                                atol=1e-4, rtol=1e-4)
+from nanoengine.layers.fused import add_rms_norm_triton, silu_and_mul_triton
+for m, k in [(3, 100), (1, 64)]:
+    g = torch.Generator().manual_seed(k)
+    x, r, nw = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g), torch.rand(k, generator=g)
+    y, res = add_rms_norm_triton(x, r, nw, 1e-6)
+    h, want = add_rms_norm(x, r, nw, 1e-6)
+    torch.testing.assert_close(y, h, atol=1e-5, rtol=1e-5)
+    assert torch.equal(res, want)
+    gu = torch.randn(m, 2 * k, generator=g)
+    torch.testing.assert_close(silu_and_mul_triton(gu), silu_and_mul(gu), atol=1e-5, rtol=1e-5)
 from nanoengine.layers.rope_store import qk_norm_rope_store
 from nanoengine.layers.rotary_embedding import RotaryEmbedding
 from nanoengine.models.qwen3 import qk_norm_rope
