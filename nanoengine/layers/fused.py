@@ -14,7 +14,7 @@ from .activation import silu_and_mul
 from nanoengine.layers.gemv import (
     GEMV_BLOCK_N, GEMV_MAX_K, GEMV_MAX_ROWS, _graph_time_us, linear, table_rows,
 )
-from .layernorm import RMSNorm, add_rms_norm, rms_norm
+from .layernorm import RMSNorm
 from .paged_decode import pdl_capable
 from ..utils.checks import env_switch
 from ..utils.dist import all_reduce
@@ -206,15 +206,14 @@ def _kernels_serve(x: torch.Tensor) -> bool:
 
 
 def norm_apart(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm(x + residual) unfused: (normalised, new residual), or (normalised, x) without one."""
+    """`norm` of x + residual unfused: (normalised, new residual), or (normalised, x) without a
+    residual; the kernel on a GPU, else the module itself (so its forward hooks still fire)."""
     if _kernels_serve(x):
-        y, new_residual = add_rms_norm_triton(x, residual, weight, eps)
+        y, new_residual = add_rms_norm_triton(x, residual, norm.weight, norm.eps)
         return y, x if new_residual is None else new_residual
-    if residual is None:
-        return rms_norm(x, weight, eps), x
-    return add_rms_norm(x, residual, weight, eps)
+    return (norm(x), x) if residual is None else norm(x, residual)
 
 
 def silu_apart(x: torch.Tensor, act: Callable = silu_and_mul) -> torch.Tensor:
@@ -251,7 +250,7 @@ def norm_linear(
             norm_weight=norm.weight, eps=norm.eps,
         )
         return y, x if residual is None else new_residual
-    h, residual = norm_apart(x, residual, norm.weight, norm.eps)  # section 2's kernel on a GPU
+    h, residual = norm_apart(x, residual, norm)  # section 2's kernel on a GPU
     return proj(h), residual
 
 
@@ -281,6 +280,9 @@ def choose_fusions(
     report = {}
     for (prologue, n, k, dtype), group in groups.items():
         weights, norm_w = [w for w, _ in group], group[0][1]
+        norm = RMSNorm(k, eps=1e-6)  # the unfused path's module, with the group's norm weight
+        if norm_w is not None:
+            norm.weight = torch.nn.Parameter(norm_w, requires_grad=False)
         for m in rows:
             x = torch.randn(m, 2 * k if prologue == "silu" else k, dtype=dtype, device="cuda")
             r = torch.randn_like(x) if prologue == "add_norm" else None
@@ -288,11 +290,11 @@ def choose_fusions(
                 apart = _graph_time_us(lambda x, w: linear(silu_apart(x), w), weights, x)
             elif prologue == "norm":
                 apart = _graph_time_us(
-                    lambda x, w: linear(norm_apart(x, None, norm_w, 1e-6)[0], w), weights, x
+                    lambda x, w: linear(norm_apart(x, None, norm)[0], w), weights, x
                 )
             else:
                 apart = _graph_time_us(
-                    lambda x, w: linear(norm_apart(x, r, norm_w, 1e-6)[0], w), weights, x
+                    lambda x, w: linear(norm_apart(x, r, norm)[0], w), weights, x
                 )
             fused = _graph_time_us(
                 lambda x, w: fused_gemv(
