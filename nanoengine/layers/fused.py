@@ -30,6 +30,19 @@ PROLOGUES = {"norm": 1, "add_norm": 2, "silu": 3}  # what the kernel makes of it
 if triton is not None:
 
     @triton.jit
+    def _silu_times(g, u):
+        """silu(g) * u computed in float32 and rounded once, to g's dtype."""
+        gf = g.to(tl.float32)
+        return (gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)).to(g.dtype)
+
+    @triton.jit
+    def _rms_normalise(xf, like, norm_w, K, eps):
+        """RMSNorm of a float32 row as RMSNorm's eager code computes it: the normalised row
+        rounded to `like`'s dtype, then times the weight."""
+        xf = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        return xf.to(like.dtype) * norm_w.to(like.dtype)
+
+    @triton.jit
     def _fused_gemv_kernel(
         x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, r_out_ptr, M, N, K: tl.constexpr, eps,
         stride_xm, stride_rm, stride_wn, stride_ym, stride_om, PROLOGUE: tl.constexpr,
@@ -55,8 +68,7 @@ if triton is not None:
                 if PROLOGUE == 3:  # x = silu(gate) * up, from the fused gate/up output
                     g = tl.load(x_ptr + m * stride_xm + ks, mask=ks < K, other=0.0)
                     u = tl.load(x_ptr + m * stride_xm + K + ks, mask=ks < K, other=0.0)
-                    gf = g.to(tl.float32)
-                    x = (gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)).to(g.dtype)
+                    x = _silu_times(g, u)
                 else:  # x = RMSNorm(input (+ residual)), as RMSNorm computes it
                     xi = tl.load(x_ptr + m * stride_xm + ks, mask=ks < K, other=0.0)
                     xf = xi.to(tl.float32)
@@ -66,8 +78,7 @@ if triton is not None:
                         )
                         if tl.program_id(0) == 0:  # one program writes the new residual
                             tl.store(r_out_ptr + m * stride_om + ks, xf.to(xi.dtype), mask=ks < K)
-                    xf = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
-                    x = xf.to(xi.dtype) * norm_w.to(xi.dtype)
+                    x = _rms_normalise(xf, xi, norm_w, K, eps)
                 acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
                 if HAS_BIAS:
                     acc += bias
@@ -132,10 +143,9 @@ if triton is not None:
         if ADD:  # the residual added in float32; the sum, rounded, is the new residual
             xf += tl.load(r_ptr + row * stride_r + ks, mask=ks < K, other=0.0).to(tl.float32)
             tl.store(r_out_ptr + row * stride_o + ks, xf.to(xi.dtype), mask=ks < K)
-        xf = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
         w = tl.load(w_ptr + ks, mask=ks < K, other=0.0)
-        # rounded to the input's dtype before the weight multiplies it, as the fused prologue
-        tl.store(y_ptr + row * stride_y + ks, xf.to(xi.dtype) * w.to(xi.dtype), mask=ks < K)
+        # section 1's helper: rounded exactly as the fused prologue rounds
+        tl.store(y_ptr + row * stride_y + ks, _rms_normalise(xf, xi, w, K, eps), mask=ks < K)
 
     @triton.jit
     def _silu_rows_kernel(x_ptr, y_ptr, K, stride_x, stride_y, BLOCK_K: tl.constexpr):
@@ -143,9 +153,7 @@ if triton is not None:
         ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         g = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0)
         u = tl.load(x_ptr + row * stride_x + K + ks, mask=ks < K, other=0.0)
-        gf = g.to(tl.float32)
-        y = gf / (1.0 + tl.exp(-gf)) * u.to(tl.float32)  # silu(gate) * up, rounded once
-        tl.store(y_ptr + row * stride_y + ks, y.to(g.dtype), mask=ks < K)
+        tl.store(y_ptr + row * stride_y + ks, _silu_times(g, u), mask=ks < K)
 
 # %% ../../notebooks/11b_fused.ipynb #bd9a53ad
 SILU_BLOCK_K = 1024  # columns of the activation's output per program
