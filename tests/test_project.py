@@ -96,8 +96,8 @@ def test_environment_yml_installs_the_package_with_python_and_pip():
 
 # --- the extras contract -------------------------------------------------------------------------------------------
 
-def test_extras_are_exactly_gpu_book_serve_test_dev():
-    assert set(EXTRAS) == {"gpu", "book", "serve", "test", "dev"}
+def test_extras_are_exactly_gpu_book_serve_test_gguf_dev():
+    assert set(EXTRAS) == {"gpu", "book", "serve", "test", "gguf", "dev"}
 
 
 def test_extras_contents():
@@ -108,7 +108,9 @@ def test_extras_contents():
     serve = expand_extra("serve")
     assert {"fastapi", "uvicorn"} <= names(serve), sorted(serve)
     dev = expand_extra("dev")
-    assert book | serve | test <= dev, f"dev lacks {sorted((book | serve | test) - dev)}"
+    gguf = expand_extra("gguf")
+    assert {"gguf", "accelerate"} <= names(gguf), sorted(gguf)
+    assert book | serve | test | gguf <= dev, f"dev lacks {sorted((book | serve | test | gguf) - dev)}"
     assert "nbdev" in names(dev)
     # dev must install on a machine without CUDA: flash-attn only builds against a CUDA toolkit.
     assert "flash-attn" not in names(dev | RUNTIME), "flash-attn belongs in the gpu extra only"
@@ -291,13 +293,14 @@ def test_notebook_is_saved_executed_without_errors(path):
 
 # --- the package imports on a CPU-only machine without flash-attn -----------------------------------------------
 
-# Runs in a fresh interpreter with every GPU hidden and `import flash_attn` failing as if the package were absent.
+# Runs in a fresh interpreter with every GPU hidden and `import flash_attn` and `import gguf` failing as if those
+# packages were absent (gguf is the extra for GGUF checkpoints: the package must import without it).
 IMPORT_WITHOUT_GPU = r"""
 import importlib, importlib.abc, json, pkgutil, sys, traceback
 
 class NoFlashAttn(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name == "flash_attn" or name.startswith("flash_attn."):
+        if name.split(".")[0] in ("flash_attn", "gguf"):
             raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
         return None
 

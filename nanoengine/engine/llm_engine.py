@@ -23,10 +23,11 @@ from ..config import Config, check_fits_in_memory
 from .model_runner import LaunchedStep, ModelRunner, kv_block_bytes
 from .scheduler import PENDING_TOKEN, ScheduledBatch, Scheduler
 from .sequence import Sequence
+from ..models.registry import checkpoint_config, model_class, resolve_checkpoint
 from ..sampling_params import SamplingParams
 from ..utils.checks import InvalidTypeError, check_bool, env_switch
 from ..utils.dist import tp_world
-from ..utils.loader import resolve_model_path
+from ..utils.gguf import gguf_tokenizer, is_gguf
 
 Prompt = str | list[int]
 # the settings the engine hands to Config, then the two it keeps for itself
@@ -70,9 +71,12 @@ class _EngineSetup:
     size check."""
 
     def _load_tokenizer(self, path: Path):
-        """The checkpoint's tokenizer; None, with a warning, when it has no tokenizer files."""
+        """The checkpoint's tokenizer (a GGUF file carries its own); None, with a warning, when it
+        has no tokenizer files."""
         files = [path / name for name in TOKENIZER_FILES] + list(path.glob("*.tiktoken"))
-        if not any(file.is_file() for file in files):
+        if is_gguf(path):
+            tokenizer = gguf_tokenizer(path)
+        elif not any(file.is_file() for file in files):
             warnings.warn(
                 f"model directory {str(path)!r} has no tokenizer "
                 f"({' or '.join(TOKENIZER_FILES)}): this engine takes prompts as "
@@ -80,7 +84,8 @@ class _EngineSetup:
                 stacklevel=3,
             )
             return None
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path)
         if len(tokenizer) > self.vocab_size:
             warnings.warn(
                 f"the tokenizer has {len(tokenizer)} token ids but the model's "
@@ -161,8 +166,12 @@ class _EngineBase(_EngineSetup):
             raise ValueError(
                 f"control_plane must be one of {CONTROL_PLANES}, got {control_plane!r}"
             )
-        path = resolve_model_path(model)
-        self.config = Config(path, **{name: arguments[name] for name in CONFIG_ARGUMENTS})
+        path = resolve_checkpoint(model)  # a directory, or a GGUF file (section 05.6)
+        self.config = Config(
+            path, hf_config=checkpoint_config(path),
+            **{name: arguments[name] for name in CONFIG_ARGUMENTS},
+        )
+        model_class(self.config.hf_config)  # an architecture the engine cannot serve: ValueError now
         self.vocab_size = self.config.hf_config.vocab_size
         self.tokenizer = self._load_tokenizer(path)
         self.eos_token_ids = self._eos_token_ids(path)

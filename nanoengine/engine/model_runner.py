@@ -25,11 +25,10 @@ from ..layers.gemv import choose_gemv
 from ..layers.linear import LinearBase
 from ..layers.paged_decode import select_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch
-from ..models.qwen3 import Qwen3ForCausalLM
+from ..models.registry import load_weights, model_class
 from ..utils.checks import env_switch
 from ..utils.context import Context, StepContext, bind_step_context
 from ..utils.dist import tp_rank, tp_size
-from ..utils.loader import load_model
 from ..utils.memory import kv_cache_bytes_per_token
 
 CPU_KV_BUDGET_BYTES = 256 << 20
@@ -240,10 +239,10 @@ class _RunnerBase(_RunnerMemory):
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = Qwen3ForCausalLM(config.hf_config)
+                self.model = model_class(config.hf_config)(config.hf_config)  # section 05.6
         finally:
             torch.set_default_dtype(previous)
-        load_model(self.model, config.model)
+        load_weights(self.model, config.model)  # safetensors or GGUF
         self.model.eval()
         # this runner's side channel (section 04.1): no state shared with others
         self.step = StepContext()

@@ -138,7 +138,7 @@ class Qwen3DecoderLayer(nn.Module):
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             head_dim=getattr(config, "head_dim", None), max_position=config.max_position_embeddings,
             rms_norm_eps=config.rms_norm_eps, qkv_bias=bias, o_bias=bias and not qwen2,
-            qk_norm=not qwen2, rope_theta=rope_theta, rope_scaling=rope_scaling,
+            qk_norm=config.model_type == "qwen3", rope_theta=rope_theta, rope_scaling=rope_scaling,
         )
         self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -185,11 +185,17 @@ class Qwen3ForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    model_types = ("qwen3", "qwen2")  # the config.model_type values this class computes right
 
     def __init__(self, config) -> None:
         super().__init__()
-        if config.model_type not in ("qwen3", "qwen2"):
-            raise ValueError(f"model_type must be 'qwen3' or 'qwen2', got {config.model_type!r}")
+        if config.model_type not in self.model_types:
+            served = " or ".join(map(repr, self.model_types))
+            raise ValueError(
+                f"{type(self).__name__} serves model_type {served}, got {config.model_type!r}"
+            )
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported (the MLP projections have no bias)")
         if getattr(config, "use_sliding_window", False):
             raise ValueError(
                 "use_sliding_window=True is not supported (every layer uses full attention here)"

@@ -30,12 +30,12 @@ PRESETS: dict[str, dict] = {
         initializer_range=0.02, dtype="bfloat16",
     ),
 }
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")  # llama: section 05.4
 
 
 def qwen3_config(config: str | dict | PretrainedConfig = "tiny", **overrides) -> PretrainedConfig:
-    """A Qwen3 (or Qwen2) config from a preset name, a dict of fields or a config object; `None`
-    overrides are ignored."""
+    """A Qwen3 (or Qwen2, or Llama) config from a preset name, a dict of fields or a config
+    object; `None` overrides are ignored."""
     if isinstance(config, str):
         if config not in PRESETS:
             raise ValueError(
@@ -81,7 +81,7 @@ def parameter_counts(config: PretrainedConfig) -> dict[str, int]:
     attention = (
         hidden * (q + 2 * kv) + q * hidden + bias * (q + 2 * kv) + (bias and not qwen2) * hidden
     )
-    norms = 2 * hidden + (0 if qwen2 else 2 * head_dim)
+    norms = 2 * hidden + (2 * head_dim if config.model_type == "qwen3" else 0)  # QK-norm
     embedding = config.vocab_size * hidden
     return {
         "embedding": embedding, "attention": layers * attention, "mlp": layers * 3 * hidden * inter,
@@ -204,9 +204,11 @@ def write_random_checkpoint(
     dtype: str | torch.dtype | None = None, tie_word_embeddings: bool | None = None,
     attention_bias: bool | None = None, **overrides,
 ) -> Path:
-    """Write a random-weight Qwen3/Qwen2 checkpoint (config, safetensors, generation config,
+    """Write a random-weight Qwen3/Qwen2/Llama checkpoint (config, safetensors, generation config,
     tokenizer) to `path`."""
-    from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen3ForCausalLM
+    from transformers import (
+        GenerationConfig, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    )
     from transformers.utils import logging as hf_logging
 
     if not isinstance(path, (str, os.PathLike)):
@@ -226,7 +228,9 @@ def write_random_checkpoint(
         min(config.vocab_size, TOKENIZER_VOCAB_SIZE), config.max_position_embeddings
     )
     config.bos_token_id = config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
-    model_class = {"qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM}[config.model_type]
+    model_class = {
+        "qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM,
+    }[config.model_type]
     with _default_dtype(config.dtype or torch.float32), _no_init():
         model = model_class(config)
     model.tie_weights()
