@@ -274,6 +274,21 @@ def test_llama_rotary_permutation_is_undone(tiny, tmp_path):
     assert all(torch.equal(t, llama[name].float()) for name, t in ours.items())
 
 
+def test_rope_frequency_factors_are_refused_unless_all_one(tiny, tmp_path):
+    _, config, tensors = tiny
+    llama = {name: t for name, t in tensors.items() if "_norm." not in name or "layernorm" in name}
+    half = config.head_dim // 2
+    ones = write_gguf(tmp_path / "ones.gguf", "llama", config, llama,
+                      raw={"rope_freqs.weight": (np.ones(half, np.float32), Q.F32)})
+    assert "rope_freqs.weight" not in dict(gguf_tensors(ones))  # skipped: it changes nothing
+    scaled = np.ones(half, np.float32)
+    scaled[half // 2:] = 8.0  # Llama 3: the slow pairs turn 8 times slower
+    file = write_gguf(tmp_path / "llama3.gguf", "llama", config, llama,
+                      raw={"rope_freqs.weight": (scaled, Q.F32)})
+    with pytest.raises(ValueError, match=r"llama3\.gguf.*RoPE frequency factors"):
+        gguf_config(file)
+
+
 def test_find_and_is_gguf(tiny, tmp_path):
     _, config, tensors = tiny
     assert find_gguf(tmp_path) is None

@@ -6,7 +6,7 @@ __all__ = ['GGUF_MAGIC', 'BLOCKS', 'GGUF_NAMES', 'GGUF_LAYER_NAMES', 'SKIPPED_TE
            'dequantize', 'hf_name', 'unpermute_rotary', 'gguf_config', 'gguf_tensors', 'byte_alphabet',
            'gguf_tokenizer', 'load_gguf_model']
 
-# %% ../../notebooks/05e_gguf.ipynb #8b83ebe8
+# %% ../../notebooks/05e_gguf.ipynb #2c30d461
 import functools
 import os
 from collections.abc import Iterator
@@ -92,7 +92,7 @@ def _reader(path: str | os.PathLike) -> "gguf.GGUFReader":
         return read_gguf(path)  # raises the error that names the file
     return _cached_reader(str(path), stat.st_mtime_ns, stat.st_size)
 
-# %% ../../notebooks/05e_gguf.ipynb #1af041a8
+# %% ../../notebooks/05e_gguf.ipynb #6d97b940
 # ggml type name -> (elements per block, bytes per block), for the types we dequantize
 BLOCKS = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
@@ -145,7 +145,7 @@ def dequantize(
         x = x + _f16(blocks, 2)
     return x.reshape(shape)  # [num_blocks, 32] -> shape
 
-# %% ../../notebooks/05e_gguf.ipynb #2521cb6b
+# %% ../../notebooks/05e_gguf.ipynb #060cd941
 # GGUF tensor names -> Hugging Face names: whole stems, then the part after "blk.N."
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_LAYER_NAMES = {
@@ -177,7 +177,12 @@ def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     dim = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
-# %% ../../notebooks/05e_gguf.ipynb #db887332
+
+def _shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in PyTorch's order (GGUF lists the fastest-varying dimension first)."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+
+# %% ../../notebooks/05e_gguf.ipynb #7ff9e31f
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
 }
@@ -224,6 +229,13 @@ def _config_from_reader(reader, path) -> PretrainedConfig:
     for needed in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):
         _field(reader, needed, path)
     names = {t.name for t in reader.tensors}
+    for t in (t for t in reader.tensors if t.name == "rope_freqs.weight"):
+        if (dequantize(t.data, t.tensor_type, _shape(t), t.name) != 1).any():
+            raise ValueError(
+                f"GGUF file {str(path)!r} stores RoPE frequency factors (rope_freqs.weight, "
+                "Llama 3's scaling), which a transformers config cannot express; nanoengine cannot "
+                "load it"
+            )
     hidden, heads = key("embedding_length"), key("attention.head_count")
     head_dim = key("attention.key_length", None) or key("rope.dimension_count", None)
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10_000.0))}
@@ -262,12 +274,7 @@ def gguf_config(path: str | os.PathLike) -> PretrainedConfig:
     """The transformers config a GGUF file's metadata describes (Llama, Qwen3 or Qwen2)."""
     return _config_from_reader(_reader(path), path)
 
-# %% ../../notebooks/05e_gguf.ipynb #67d8d836
-def _shape(tensor) -> tuple[int, ...]:
-    """A GGUF tensor's shape in PyTorch's order (GGUF lists the fastest-varying dimension first)."""
-    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
-
-
+# %% ../../notebooks/05e_gguf.ipynb #2ccfd889
 def _check_types(reader, path) -> None:
     bad = [f"{t.name} ({t.tensor_type.name})" for t in reader.tensors
            if t.tensor_type.name not in BLOCKS and t.name not in SKIPPED_TENSORS]
@@ -305,7 +312,7 @@ def gguf_tensors(
     _check_types(reader, path)
     return _tensors(reader, path, config)
 
-# %% ../../notebooks/05e_gguf.ipynb #b24d4e47
+# %% ../../notebooks/05e_gguf.ipynb #8d36f39c
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 # how a family split text before its merges were learned (tokenizer.ggml.pre); others use GPT-2's
 _LLAMA3_SPLIT = (
@@ -385,7 +392,7 @@ def gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
         chat_template=_field(reader, "tokenizer.chat_template", path, None),
     )
 
-# %% ../../notebooks/05e_gguf.ipynb #4775759e
+# %% ../../notebooks/05e_gguf.ipynb #e1054654
 def load_gguf_model(model: nn.Module, path: str | os.PathLike) -> None:
     """Fill `model` from a GGUF file, with section 05.3's checks of names and shapes first."""
     reader = _reader(path)
