@@ -193,8 +193,8 @@ def llama_cpp_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, arch: str, config, tensors: dict, *, qtype=None, tokens=None, metadata=True,
-               tokenizer=True, raw: dict | None = None) -> Path:
+def write_gguf(path: Path, arch: str, config, tensors: dict, *, qtype=None, tokens=None, merges=None, eos=0,
+               metadata=True, tokenizer=True, raw: dict | None = None) -> Path:
     """A GGUF file as llama.cpp would write it: HF-named `tensors` under GGUF names (2-D ones as `qtype` when
     given), the config's numbers under `arch.*`, a token list; `raw` adds tensors of any type as (bytes, type)."""
     writer = gguf.GGUFWriter(path, arch)
@@ -212,7 +212,9 @@ def write_gguf(path: Path, arch: str, config, tensors: dict, *, qtype=None, toke
     if tokenizer:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list(tokens or [f"t{i}" for i in range(config.vocab_size)])
-        writer.add_eos_token_id(0)
+        if merges:
+            writer.add_token_merges(merges)
+        writer.add_eos_token_id(eos)
     for name, w in tensors.items():
         w = w.float()
         if arch == "llama" and ".q_proj." in name:
@@ -289,6 +291,14 @@ def test_rope_frequency_factors_are_refused_unless_all_one(tiny, tmp_path):
         gguf_config(file)
 
 
+def test_qwen2_config(tiny, tmp_path):
+    _, config, tensors = tiny
+    file = write_gguf(tmp_path / "qwen2.gguf", "qwen2", config, tensors, tokens=["a"] * config.vocab_size)
+    qwen2 = gguf_config(file)
+    assert qwen2.model_type == "qwen2" and qwen2.architectures == ["Qwen2ForCausalLM"]
+    assert qwen2.num_key_value_heads == config.num_key_value_heads and qwen2.eos_token_id == 0
+
+
 def test_find_and_is_gguf(tiny, tmp_path):
     _, config, tensors = tiny
     assert find_gguf(tmp_path) is None
@@ -330,6 +340,13 @@ def test_bad_files_are_errors_that_name_the_file_and_the_problem(tiny, tmp_path)
         gguf_config(no_tokenizer)
     with pytest.raises(ValueError, match=r"no-tok\.gguf.*no metadata key 'tokenizer\.ggml\.model'"):
         gguf_tokenizer(no_tokenizer)
+    bad_eos = write_gguf(tmp_path / "bad-eos.gguf", "qwen3", config, tensors, tokens=["a", "b", "ab"],
+                         merges=["a b"], eos=7)
+    with pytest.raises(ValueError, match=r"bad-eos\.gguf.*eos_token_id is 7, but the vocabulary has 3 tokens"):
+        gguf_tokenizer(bad_eos)
+    no_merges = write_gguf(tmp_path / "no-merges.gguf", "qwen3", config, tensors)
+    with pytest.raises(ValueError, match=r"no-merges\.gguf.*no metadata key 'tokenizer\.ggml\.merges'"):
+        gguf_tokenizer(no_merges)
     no_metadata = write_gguf(tmp_path / "no-meta.gguf", "qwen3", config, tensors, metadata=False)
     with pytest.raises(ValueError, match=r"no-meta\.gguf.*no metadata key 'qwen3\.embedding_length'"):
         gguf_config(no_metadata)
