@@ -6,7 +6,7 @@ __all__ = ['GGUF_MAGIC', 'BLOCKS', 'GGUF_NAMES', 'GGUF_LAYER_NAMES', 'SKIPPED_TE
            'dequantize', 'hf_name', 'unpermute_rotary', 'gguf_config', 'gguf_tensors', 'byte_alphabet',
            'gguf_tokenizer', 'load_gguf_model']
 
-# %% ../../notebooks/05e_gguf.ipynb #ebe5d3f0
+# %% ../../notebooks/05e_gguf.ipynb #68b859eb
 import functools
 import os
 from collections.abc import Iterator
@@ -94,7 +94,7 @@ def _reader(path: str | os.PathLike) -> "gguf.GGUFReader":
         return read_gguf(path)  # raises the error that names the file
     return _cached_reader(str(path), stat.st_mtime_ns, stat.st_size)
 
-# %% ../../notebooks/05e_gguf.ipynb #f8e365de
+# %% ../../notebooks/05e_gguf.ipynb #711ec0be
 # ggml type name -> (elements per block, bytes per block), for the types we dequantize
 BLOCKS = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
@@ -147,7 +147,7 @@ def dequantize(
         x = x + _f16(blocks, 2)
     return x.reshape(shape)  # [num_blocks, 32] -> shape
 
-# %% ../../notebooks/05e_gguf.ipynb #36e1c01f
+# %% ../../notebooks/05e_gguf.ipynb #1135fa29
 # GGUF tensor names -> Hugging Face names: whole stems, then the part after "blk.N."
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_LAYER_NAMES = {
@@ -184,7 +184,7 @@ def _shape(tensor) -> tuple[int, ...]:
     """A GGUF tensor's shape in PyTorch's order (GGUF lists the fastest-varying dimension first)."""
     return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
-# %% ../../notebooks/05e_gguf.ipynb #ee764471
+# %% ../../notebooks/05e_gguf.ipynb #c66d1772
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
 }
@@ -276,7 +276,7 @@ def gguf_config(path: str | os.PathLike) -> PretrainedConfig:
     """The transformers config a GGUF file's metadata describes (Llama, Qwen3 or Qwen2)."""
     return _config_from_reader(_reader(path), path)
 
-# %% ../../notebooks/05e_gguf.ipynb #06fcb3bc
+# %% ../../notebooks/05e_gguf.ipynb #c5fdcad8
 def _check_types(reader, path) -> None:
     bad = [f"{t.name} ({t.tensor_type.name})" for t in reader.tensors
            if t.tensor_type.name not in BLOCKS and t.name not in SKIPPED_TENSORS]
@@ -314,7 +314,7 @@ def gguf_tensors(
     _check_types(reader, path)
     return _tensors(reader, path, config)
 
-# %% ../../notebooks/05e_gguf.ipynb #51f038f3
+# %% ../../notebooks/05e_gguf.ipynb #446c0e23
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 # how a family split text before its merges were learned (tokenizer.ggml.pre); others use GPT-2's
 _LLAMA3_SPLIT = (
@@ -399,7 +399,7 @@ def gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
         chat_template=_field(reader, "tokenizer.chat_template", path, None),
     )
 
-# %% ../../notebooks/05e_gguf.ipynb #e9bb3d40
+# %% ../../notebooks/05e_gguf.ipynb #0d01e318
 def load_gguf_model(model: nn.Module, path: str | os.PathLike) -> None:
     """Fill `model` from a GGUF file, with section 05.3's checks of names and shapes first."""
     reader = _reader(path)
