@@ -2,6 +2,7 @@
 `gguf` and `transformers` on SmolLM2-135M-Instruct's Q4_1 file and on small files written here."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,6 @@ def same_bits(a: torch.Tensor, b) -> bool:
 @pytest.fixture(scope="module")
 def hf_model():
     """transformers' own GGUF path: SmolLM2 dequantized and un-permuted into its LlamaForCausalLM (~20 s)."""
-    hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(
         SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32
@@ -194,7 +194,7 @@ def llama_cpp_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def write_gguf(path: Path, arch: str, config, tensors: dict, *, qtype=None, tokens=None, merges=None, eos=0,
-               metadata=True, tokenizer=True, raw: dict | None = None) -> Path:
+               metadata=True, tokenizer=True, raw: dict | None = None, extra=None) -> Path:
     """A GGUF file as llama.cpp would write it: HF-named `tensors` under GGUF names (2-D ones as `qtype` when
     given), the config's numbers under `arch.*`, a token list; `raw` adds tensors of any type as (bytes, type)."""
     writer = gguf.GGUFWriter(path, arch)
@@ -215,6 +215,8 @@ def write_gguf(path: Path, arch: str, config, tensors: dict, *, qtype=None, toke
         if merges:
             writer.add_token_merges(merges)
         writer.add_eos_token_id(eos)
+    if extra is not None:
+        extra(writer)
     for name, w in tensors.items():
         w = w.float()
         if arch == "llama" and ".q_proj." in name:
@@ -297,6 +299,36 @@ def test_qwen2_config(tiny, tmp_path):
     qwen2 = gguf_config(file)
     assert qwen2.model_type == "qwen2" and qwen2.architectures == ["Qwen2ForCausalLM"]
     assert qwen2.num_key_value_heads == config.num_key_value_heads and qwen2.eos_token_id == 0
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_tiny_tokenizer_with_bos_and_control_tokens_matches_transformers(tiny, tmp_path, add_bos):
+    path, config, tensors = tiny
+    hf = AutoTokenizer.from_pretrained(path)
+    vocab = hf.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [" ".join(m) for m in json.loads(hf.backend_tokenizer.to_str())["model"]["merges"]]
+    control = set(hf.all_special_tokens)
+
+    def tokenizer_keys(writer):
+        writer.add_token_types([3 if t in control else 1 for t in tokens])
+        writer.add_bos_token_id(vocab["<|im_start|>"])
+        writer.add_add_bos_token(add_bos)
+        writer.add_chat_template(hf.chat_template)
+
+    llama = {name: t for name, t in tensors.items() if "_norm." not in name or "layernorm" in name}
+    file = write_gguf(tmp_path / "tok.gguf", "llama", config, llama, tokens=tokens, merges=merges,
+                      eos=vocab["<|endoftext|>"], extra=tokenizer_keys)
+    ours = gguf_tokenizer(file)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=file.name)
+    assert ours.add_bos_token == add_bos and ours.bos_token == "<|im_start|>"
+    for text in ["hello world, the model", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 🤖 2024"]:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert (ours.encode(text)[0] == vocab["<|im_start|>"]) == add_bos or text.startswith("<|im_start|>")
+        assert ours.decode(ours.encode(text), skip_special_tokens=True) == theirs.decode(
+            theirs.encode(text), skip_special_tokens=True)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat)["input_ids"] == theirs.apply_chat_template(chat)["input_ids"]
 
 
 def test_find_and_is_gguf(tiny, tmp_path):
