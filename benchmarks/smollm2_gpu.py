@@ -40,22 +40,17 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-def compare_with_transformers(path: Path, prompts: list[list[int]], completions: list[list[int]]) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).cuda().eval()
+def compare_with_transformers(hf, prompts: list[list[int]], completions: list[list[int]]) -> dict:
     gaps: list[float] = []
     first_differences = []
     for prompt, mine in zip(prompts, completions):
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt + mine[:-1]], device="cuda")).logits[0, len(prompt) - 1:].float()
-        chosen = logits.gather(1, torch.tensor(mine, device="cuda")[:, None]).squeeze(1)
+            logits = hf(torch.tensor([prompt + mine[:-1]], device=hf.device)).logits[0, len(prompt) - 1:].float()
+        chosen = logits.gather(1, torch.tensor(mine, device=hf.device)[:, None]).squeeze(1)
         gap = (logits.max(dim=1).values - chosen).tolist()
         gaps += gap
         first_differences.append(next((i for i, g in enumerate(gap) if g > 0), None))
     differing = [g for g in gaps if g > 0]
-    del hf
-    torch.cuda.empty_cache()
     return {
         "prompts": len(prompts), "tokens": len(gaps), "not_transformers_argmax": len(differing),
         "gaps_of_those": sorted(round(g, 4) for g in differing), "largest_gap": max(gaps),
@@ -89,8 +84,11 @@ def main() -> None:
     for key in ("prefill_step_ms", "prefill_launch_ms"):
         results["throughput"].pop(key, None)
     llm.close()
-    results["greedy_vs_transformers"] = compare_with_transformers(path, prompts, completions)
-    results["greedy_vs_transformers_batch1"] = compare_with_transformers(path, prompts, alone)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).cuda().eval()
+    results["greedy_vs_transformers"] = compare_with_transformers(hf, prompts, completions)
+    results["greedy_vs_transformers_batch1"] = compare_with_transformers(hf, prompts, alone)
     text = json.dumps(results, indent=1, default=str)
     print(text)
     if args.out:

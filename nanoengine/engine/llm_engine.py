@@ -171,7 +171,7 @@ class _EngineBase(_EngineSetup):
             path, hf_config=checkpoint_config(path),
             **{name: arguments[name] for name in CONFIG_ARGUMENTS},
         )
-        model_class(self.config.hf_config)  # an architecture the engine cannot serve: ValueError now
+        model_class(self.config.hf_config)  # an architecture it cannot serve: ValueError now
         self.vocab_size = self.config.hf_config.vocab_size
         self.tokenizer = self._load_tokenizer(path)
         self.eos_token_ids = self._eos_token_ids(path)
