@@ -2,16 +2,26 @@
 
 # %% auto #0
 __all__ = ['SAMPLING_FIELDS', 'COMMON_FIELDS', 'COMPLETION_FIELDS', 'CHAT_FIELDS', 'NEUTRAL', 'ROLES', 'MAX_CHOICES',
-           'DEFAULT_MAX_TOKENS', 'ApiError', 'check_fields', 'check_model', 'is_token_ids', 'parse_prompt',
-           'parse_messages', 'parse_stop', 'parse_sampling', 'ParsedRequest', 'parse_request', 'new_id', 'choice',
-           'response', 'usage']
+           'DEFAULT_MAX_TOKENS', 'brief', 'ApiError', 'check_fields', 'check_model', 'is_token_ids', 'parse_prompt',
+           'parse_messages', 'parse_stop', 'parse_sampling', 'check_prompt_sizes', 'ParsedRequest', 'parse_flag',
+           'parse_request', 'new_id', 'choice', 'response', 'usage']
 
 # %% ../notebooks/16a_openai_protocol.ipynb #7d646506
+import reprlib
 import uuid
 from dataclasses import dataclass
 
 from .engine.engine_loop import Submission
 from .sampling_params import SamplingParams
+
+
+_REPR = reprlib.Repr()  # reprlib's limits, tighter: 2 levels deep, 40 characters a value
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 40, 40, 40
+
+
+def brief(value) -> str:
+    """A short repr of a client's value for an error message, however long or deep it is."""
+    return _REPR.repr(value)
 
 
 class ApiError(Exception):
@@ -48,7 +58,7 @@ def check_fields(body: dict, allowed: frozenset) -> None:
         if name in allowed or (name in NEUTRAL and value in (None, NEUTRAL[name])):
             continue
         if name in NEUTRAL:
-            raise ApiError(f"{name}={value!r} is not supported by this server", name)
+            raise ApiError(f"{name}={brief(value)} is not supported by this server", name)
         raise ApiError(f"Unrecognized request argument supplied: {name}", name)
 
 
@@ -58,7 +68,8 @@ def check_model(body: dict, served_model_name: str) -> None:
     if not isinstance(model, str):
         raise ApiError("model is required and must be a string", "model")
     if model != served_model_name:
-        raise ApiError(f"The model `{model}` does not exist.", "model", status=404,
+        shown = model if len(model) <= 200 and model.isprintable() else brief(model)
+        raise ApiError(f"The model `{shown}` does not exist.", "model", status=404,
                        code="model_not_found")
 
 # %% ../notebooks/16a_openai_protocol.ipynb #87864f24
@@ -118,10 +129,29 @@ def parse_sampling(body: dict, max_tokens_field: str, default_max_tokens: int) -
     for name, value in values.items():
         try:
             SamplingParams(**{name: value})
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             field = max_tokens_field if name == "max_tokens" else name
             raise ApiError(str(e).replace(name, field, 1), field) from None
     return SamplingParams(**values)
+
+
+def check_prompt_sizes(prompts: list, max_model_len: int, max_prompt_chars: int | None) -> None:
+    """Refuse, before tokenizing, a prompt that cannot fit: more token ids than max_model_len,
+    or more characters than max_prompt_chars (so many that no tokenization could fit)."""
+    for i, prompt in enumerate(prompts):
+        chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        if chat:
+            size = sum(len(m["content"]) for m in prompt)
+            unit, most = "characters", max_prompt_chars
+        elif isinstance(prompt, str):
+            size, unit, most = len(prompt), "characters", max_prompt_chars
+        else:
+            size, unit, most = len(prompt), "token ids", max_model_len
+        if most is not None and size > most:
+            raise ApiError(f"prompt {i} has {size} {unit}, more than can fit in max_model_len "
+                           f"({max_model_len} tokens: at most {most} {unit})",
+                           "messages" if chat else "prompt", code="context_length_exceeded")
+
 
 # %% ../notebooks/16a_openai_protocol.ipynb #0041daa2
 @dataclass(slots=True)
@@ -132,30 +162,42 @@ class ParsedRequest:
     include_usage: bool
 
 
-def parse_request(body, served_model_name: str, *, chat: bool, max_model_len: int) -> ParsedRequest:
+def parse_flag(body: dict, name: str) -> bool:
+    """A true/false field, False when missing or null."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(f"{name} must be true or false, got {brief(value)}", name)
+    return bool(value)
+
+
+def parse_request(body, served_model_name: str, *, chat: bool, max_model_len: int,
+                  max_prompt_chars: int | None = None) -> ParsedRequest:
     """Check a completions or chat body; raise ApiError naming the first bad field."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     check_model(body, served_model_name)
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     prompts = [parse_messages(body.get("messages"))] if chat else parse_prompt(body.get("prompt"))
+    check_prompt_sizes(prompts, max_model_len, max_prompt_chars)
     newer = chat and "max_completion_tokens" in body
     max_field = "max_completion_tokens" if newer else "max_tokens"
     fit = chat and body.get(max_field) is None
     params = parse_sampling(body, max_field, max_model_len if fit else DEFAULT_MAX_TOKENS)
     n, most = (1 if body.get("n") is None else body["n"]), MAX_CHOICES // len(prompts)
     if type(n) is not int or not 1 <= n <= most:
-        raise ApiError(f"n must be an integer in [1, {most}], got {n!r}", "n")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise ApiError(f"stream must be true or false, got {stream!r}", "stream")
-    options = body.get("stream_options") or {}
+        raise ApiError(f"n must be an integer in [1, {most}], got {brief(n)}", "n")
+    stream = parse_flag(body, "stream")
+    options = {} if body.get("stream_options") is None else body["stream_options"]
     if (not isinstance(options, dict) or set(options) - {"include_usage"}
             or (options and not stream)):
         raise ApiError('stream_options must be {"include_usage": bool}, with stream: true',
                        "stream_options")
+    include_usage = parse_flag(options, "include_usage")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(f"user must be a string, got {brief(body['user'])}", "user")
     submission = Submission(prompts, params, n, parse_stop(body.get("stop")), chat, fit)
-    return ParsedRequest(submission, stream, bool(options.get("include_usage")))
+    return ParsedRequest(submission, stream, include_usage)
+
 
 # %% ../notebooks/16a_openai_protocol.ipynb #bc3467bd
 def new_id(chat: bool) -> str:

@@ -15,25 +15,31 @@ import httpx
 
 async def timed_request(http: httpx.AsyncClient, model: str, prompt: list[int],
                         max_tokens: int) -> dict | None:
-    """Send one streamed completion; its TTFT, ITL and latency in seconds (None if it failed)."""
+    """Send one streamed completion; its TTFT, ITL and latency in seconds (None if it failed:
+    an error status, an error event, a dropped connection, a timeout)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
     num_tokens = 0
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                num_tokens = chunk["usage"]["completion_tokens"]
-            elif chunk.get("choices"):
-                last = time.perf_counter()
-                first = first or last
-    if first is None:
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return None
+                if chunk.get("usage"):
+                    num_tokens = chunk["usage"]["completion_tokens"]
+                elif chunk.get("choices"):
+                    last = time.perf_counter()
+                    first = first or last
+    except (httpx.HTTPError, ValueError):  # ReadError, RemoteProtocolError, timeouts, bad JSON
+        return None
+    if first is None or num_tokens == 0:
         return None
     itl = (last - first) / (num_tokens - 1) if num_tokens > 1 else None
     return {"ttft": first - t0, "itl": itl, "latency": last - t0, "num_tokens": num_tokens}
@@ -63,11 +69,12 @@ async def run_rate(url: str, model: str, rate: float, num_requests: int, prompt_
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             tasks.append(asyncio.create_task(timed_request(http, model, prompt, max_tokens)))
             due += gap
-        results = await asyncio.gather(*tasks)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
         seconds = time.perf_counter() - t0
-    ok = [r for r in results if r is not None]
+    ok = [r for r in results if isinstance(r, dict)]  # None (failed) or an exception: a failure
     ttft, itl = [r["ttft"] for r in ok], [r["itl"] for r in ok]
-    return {"rate": rate, "num_requests": num_requests, "num_ok": len(ok), "seconds": seconds,
+    return {"rate": rate, "num_requests": num_requests, "num_ok": len(ok),
+            "num_failed": num_requests - len(ok), "seconds": seconds,
             "achieved_rate": len(ok) / seconds,
             "output_tokens_per_s": sum(r["num_tokens"] for r in ok) / seconds,
             "ttft_p50": percentile(ttft, 0.5), "ttft_p90": percentile(ttft, 0.9),

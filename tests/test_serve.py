@@ -208,7 +208,7 @@ def test_unknown_model_404_and_other_errors(url, client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x")
     assert e.value.body["param"] == "model" and e.value.body["code"] == "model_not_found"
-    r = httpx.post(url + "/v1/completions", content=b"{not json", timeout=30)
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"

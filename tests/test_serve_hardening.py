@@ -1,0 +1,303 @@
+"""The server against a hostile client (issue 42): each bad request gets a 4xx OpenAI error body within a second, and
+the server keeps serving. One server process on a tiny random checkpoint, with an API key from the environment."""
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from nanoengine.engine.engine_loop import EngineLoop
+from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.serve import create_app, parse_args
+from nanoengine.serve_load import run_rate
+from nanoengine.utils.checkpoint import write_random_checkpoint
+from test_serve import ENGINE_KWARGS, MODEL, start_server, stop
+
+KEY = "sk-test-0123"
+MAX_BODY = 1 << 20  # --max-body-bytes for this server: 1 MiB
+AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {"Content-Type": "application/json"}
+REPR = re.compile(r"\b\w*(Error|Exception)\(|Traceback|<class |0x[0-9a-f]{6,}")
+OK = {"model": MODEL, "prompt": "still serving", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def url(ckpt, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NANOENGINE_API_KEY", KEY)  # the key comes from the environment, not a flag
+        proc, url = start_server(ckpt, tmp_path_factory.mktemp("log") / "server.log",
+                                 "--max-body-bytes", str(MAX_BODY))
+    yield url
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def http(url):
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
+        yield client
+
+
+def timed(http: httpx.Client, path: str, *, body=None, raw: bytes | None = None,
+          headers: dict | None = None) -> tuple[httpx.Response, float]:
+    """POST a JSON body (or raw bytes, sent as JSON); the response and its seconds."""
+    content = raw if raw is not None else json.dumps(body).encode()
+    t0 = time.perf_counter()
+    r = http.post(path, content=content, headers={**JSON, **(headers or {})})
+    return r, time.perf_counter() - t0
+
+
+def assert_error(r: httpx.Response, seconds: float, status: int, param: str | None = "any") -> dict:
+    """An OpenAI error body with this status, in under a second, naming no Python internals."""
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert not REPR.search(error["message"]), error["message"]
+    assert len(error["message"]) < 400, error["message"][:400]
+    if param != "any":
+        assert error["param"] == param, error
+    assert seconds < 1.0, f"{seconds:.2f} s for {error}"
+    return error
+
+
+def assert_serving(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json=OK)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    assert http.get("/health").status_code == 200
+
+
+HUGE_NUMBERS = [  # (field, raw JSON value): every one used to reach the engine, or a plain-text 500
+    ("top_k", str(2**64)), ("top_k", str(2**31)), ("seed", str(2**64)), ("max_tokens", str(2**64)),
+    ("n", str(2**64)), ("temperature", "1" + "0" * 400), ("top_p", "1" + "0" * 400),
+    ("temperature", "1e400"), ("temperature", "NaN"), ("temperature", "-Infinity"),
+]
+
+
+@pytest.mark.parametrize("field,value", HUGE_NUMBERS, ids=[f"{f}={v[:12]}" for f, v in HUGE_NUMBERS])
+def test_numbers_out_of_range_are_400_and_the_engine_lives(http, field, value):
+    for path, head in (("/v1/completions", '"prompt": "hi"'),
+                       ("/v1/chat/completions", '"messages": [{"role": "user", "content": "hi"}]')):
+        raw = f'{{"model": "{MODEL}", {head}, "{field}": {value}}}'.encode()
+        assert_error(*timed(http, path, raw=raw), 400, field)
+    assert_serving(http)  # the request right after is answered, and /health is 200
+
+
+def test_extreme_but_valid_settings_are_served(http):
+    for extra in ({"top_k": 2**31 - 1}, {"seed": 2**63 - 1, "n": 3}, {"temperature": 1e4, "top_p": 1e-9}):
+        r = http.post("/v1/completions", json={**OK, "temperature": 1.0, **extra})
+        assert r.status_code == 200, r.text
+    r, seconds = timed(http, "/v1/completions", body={**OK, "prompt": [2**64, 1]})
+    assert_error(r, seconds, 400, "prompt")  # a token id no vocabulary has
+    assert_serving(http)
+
+
+def nested(opening: str, closing: str, depth: int, inner: str = "1") -> bytes:
+    return (opening * depth + inner + closing * depth).encode()
+
+
+MALFORMED = {
+    "array 100k deep": nested("[", "]", 100_000),
+    "object 100k deep": nested('{"a": ', "}", 100_000),
+    "messages 2000 deep": f'{{"model": "{MODEL}", "messages": '.encode() + nested("[", "]", 2000) + b"}",
+    "n 950 deep": f'{{"model": "{MODEL}", "prompt": "x", "n": '.encode() + nested("[", "]", 950) + b"}",
+    "logit_bias 950 deep": (f'{{"model": "{MODEL}", "prompt": "x", "logit_bias": '.encode()
+                            + nested("[", "]", 950) + b"}"),
+    "lone surrogate model": b'{"model": "\\ud800", "prompt": "x"}',
+    "lone surrogate prompt": f'{{"model": "{MODEL}", "prompt": "a\\udfffb"}}'.encode(),
+    "invalid UTF-8": b'{"model": "\xff\xfe", "prompt": "x"}',
+    "not JSON": b"{not json",
+    "not an object": b"[1, 2]",
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_json_is_a_400_not_a_500(http, name):
+    path = "/v1/chat/completions" if "messages" in name else "/v1/completions"
+    assert_error(*timed(http, path, raw=MALFORMED[name]), 400)
+    assert_serving(http)
+
+
+def test_a_valid_surrogate_pair_is_text(http):
+    r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "smile \\ud83d\\ude00", "max_tokens": 1}',
+                  headers=JSON)
+    assert r.status_code == 200, r.text
+
+
+def raw_request(url: str, head: bytes, body_parts: list[bytes]) -> bytes:
+    """Send a request by hand (the server may answer before the body is complete); its response's bytes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(head)
+        try:
+            for part in body_parts:
+                s.sendall(part)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it answered and closed: read what it said
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + 100:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def test_bodies_over_the_limit_are_413(http, url):
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\n").encode()
+    t0 = time.perf_counter()
+    answer = raw_request(url, head + b"Content-Length: 67108864\r\n\r\n", [b'{"model": "tiny", "prompt": "'])
+    assert answer.startswith(b"HTTP/1.1 413") and time.perf_counter() - t0 < 1.0, answer[:200]
+    assert b'"code": "request_too_large"' in answer
+    chunk = b"x" * 65536
+    t0 = time.perf_counter()  # chunked: no length up front, counted as it arrives
+    parts = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (2 * MAX_BODY // len(chunk)) + [b"0\r\n\r\n"]
+    answer = raw_request(url, head + b"Transfer-Encoding: chunked\r\n\r\n", parts)
+    assert answer.startswith(b"HTTP/1.1 413") and time.perf_counter() - t0 < 1.0, answer[:200]
+    r, seconds = timed(http, "/v1/completions", raw=b'{"model": "tiny", "prompt": "' + b"x" * (4 * MAX_BODY) + b'"}')
+    assert_error(r, seconds, 413)  # what an ordinary client sees: httpx reads the early answer
+    assert_serving(http)
+
+
+def test_a_huge_prompt_is_refused_at_once_while_another_request_streams(http, url):
+    """Before: a 20 MB prompt was tokenized on the engine thread (31.6 s) while every other user waited."""
+    gaps, done = [], threading.Event()
+
+    def stream_long() -> None:
+        body = {"model": MODEL, "prompt": "a long story", "max_tokens": 200, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(base_url=url, headers=AUTH, timeout=30) as other:
+            with other.stream("POST", "/v1/completions", json=body) as r:
+                last = time.perf_counter()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        gaps.append(time.perf_counter() - last)
+                        last = time.perf_counter()
+        done.set()
+
+    streamer = threading.Thread(target=stream_long)
+    streamer.start()
+    while not gaps:
+        time.sleep(0.01)
+    for body, param in [({**OK, "prompt": "word " * 200_000}, "prompt"),  # 1 MB of text, under the limit
+                        ({**OK, "prompt": [7] * 100_000}, "prompt"),  # token ids past max_model_len
+                        ({"model": MODEL, "messages": [{"role": "user", "content": "w " * 400_000}]},
+                         "messages")]:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        error = assert_error(*timed(http, path, body=body), 400, param)
+        assert error["code"] == "context_length_exceeded"
+    r, seconds = timed(http, "/v1/completions", body={**OK, "prompt": "word " * 1000})  # fits the bound
+    assert_error(r, seconds, 400, "prompt")  # tokenized off the engine thread, then refused
+    assert "max_model_len" in r.json()["error"]["message"]
+    assert done.wait(60) and len(gaps) > 100 and max(gaps[1:]) < 1.0, max(gaps[1:])
+    assert_serving(http)
+
+
+def test_the_api_key(http, url):
+    bare = httpx.Client(base_url=url, timeout=30)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}):
+        t0 = time.perf_counter()
+        r = bare.post("/v1/completions", json=OK, headers=headers)
+        assert assert_error(r, time.perf_counter() - t0, 401)["code"] == "invalid_api_key"
+    assert bare.get("/v1/models").status_code == 401 and bare.get("/stats").status_code == 401
+    assert bare.get("/health").status_code == 200  # open for load balancers
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_api_key_flag_and_environment(monkeypatch):
+    monkeypatch.delenv("NANOENGINE_API_KEY", raising=False)
+    assert parse_args(["m"]).api_key is None and parse_args(["m", "--api-key", "a"]).api_key == "a"
+    monkeypatch.setenv("NANOENGINE_API_KEY", "from-env")
+    assert parse_args(["m"]).api_key == "from-env" and parse_args(["m", "--api-key", "a"]).api_key == "a"
+    monkeypatch.setenv("NANOENGINE_API_KEY", "")
+    assert parse_args(["m"]).api_key is None
+
+
+def test_a_json_content_type_is_required(http, url):
+    body = json.dumps(OK).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None):
+        headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+        t0 = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", content=body, headers=headers)
+        assert_error(r, time.perf_counter() - t0, 415)
+    r = http.post("/v1/completions", content=body, headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200
+
+
+WRONG_TYPES = [({"stream": "yes"}, "stream"), ({"stream": 1}, "stream"), ({"stream": []}, "stream"),
+               ({"stream": True, "stream_options": []}, "stream_options"),
+               ({"stream": True, "stream_options": 0}, "stream_options"),
+               ({"stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage"),
+               ({"user": 5}, "user"), ({"user": ["a"]}, "user"), ({"n": "2"}, "n")]
+
+
+@pytest.mark.parametrize("extra,param", WRONG_TYPES, ids=[f"{p}-{i}" for i, (_, p) in enumerate(WRONG_TYPES)])
+def test_stream_stream_options_and_user_are_checked(http, extra, param):
+    assert_error(*timed(http, "/v1/completions", body={**OK, **extra}), 400, param)
+
+
+def test_right_types_still_work_and_bad_query_is_an_openai_error(http):
+    r = http.post("/v1/completions", json={**OK, "user": "u-1", "stream": None, "stream_options": None})
+    assert r.status_code == 200
+    t0 = time.perf_counter()
+    assert_error(http.get("/stats", params={"since_step": "abc"}), time.perf_counter() - t0, 400)
+
+
+def test_load_generator_counts_dropped_connections(url):
+    async def main() -> tuple[dict, dict]:
+        async def drop(reader, writer):  # reads the request, then hangs up without answering
+            await reader.read(100)
+            writer.close()
+
+        server = await asyncio.start_server(drop, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            dropped = await run_rate(f"http://127.0.0.1:{port}", MODEL, 100, 5, 4, 4, 384)
+        return dropped, await run_rate(url, MODEL, 100, 4, 4, 4, 384)
+
+    # the generator sends no key: this server answers it with 401, which counts as failed too
+    dropped, refused = asyncio.run(main())
+    assert (dropped["num_ok"], dropped["num_failed"]) == (0, 5)
+    assert (refused["num_ok"], refused["num_failed"]) == (0, 4)
+
+
+def test_a_broken_engine_fails_fast_and_health_says_so(ckpt):
+    """In process: the engine's step raises (a failing kernel); nothing hangs, no repr leaks, /health turns 503."""
+    engine_loop = EngineLoop(lambda: LLMEngine(ckpt, **ENGINE_KWARGS))
+    try:
+        with TestClient(create_app(engine_loop, MODEL)) as client:
+            assert client.get("/health").status_code == 200
+            assert client.post("/v1/completions", json=OK).status_code == 200
+
+            def broken_step():
+                raise OverflowError("int too big to convert")
+
+            engine_loop.call(lambda engine: setattr(engine, "step", broken_step)).result()
+            t0 = time.perf_counter()
+            r = client.post("/v1/completions", json=OK)
+            error = assert_error(r, time.perf_counter() - t0, 503)
+            assert "OverflowError" not in error["message"] and "int too big" not in error["message"]
+            engine_loop.thread.join(10)
+            for _ in range(3):  # every later request is answered at once, never left hanging
+                t0 = time.perf_counter()
+                assert_error(client.post("/v1/completions", json=OK), time.perf_counter() - t0, 503)
+            health = client.get("/health")
+            assert health.status_code == 503 and "Error" not in health.json()["error"]["message"]
+    finally:
+        engine_loop.close()
