@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['MAX_BODY_BYTES', 'SHUTDOWN_GRACE_S', 'ENGINE_FLAGS', 'Call', 'sse', 'stream_events', 'EventStream', 'check_api_key',
-           'check_content_type', 'read_body', 'parse_json', 'max_prompt_chars', 'collect', 'client_gone',
+           'check_content_type', 'read_body', 'parse_json', 'max_prompt_chars', 'Tokenizing', 'collect', 'client_gone',
            'error_response', 'create_app', 'parse_args', 'engine_kwargs', 'Server', 'main']
 
 # %% ../notebooks/16b_server.ipynb #309204b7
@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -184,6 +185,30 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
     return max_model_len * max(map(len, tokenizer.get_vocab()), default=1)
 
 
+class Tokenizing:
+    """Tokenization off the engine thread: a few threads, each with its own tokenizer copy."""
+
+    def __init__(self, tokenizer, num_threads: int = 4):
+        self.tokenizer = tokenizer  # only ever copied, never used, so no instance is shared
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenize")
+        self.local = threading.local()
+
+    async def __call__(self, submission: Submission) -> Submission:
+        """The submission with token ids, tokenized on one of the threads (400 if it cannot)."""
+        loop = asyncio.get_running_loop()
+        try:
+            prompts = await loop.run_in_executor(self.pool, self._tokenize, submission)
+        except Exception as e:  # a conversation that the chat template refuses, ...
+            param = "messages" if submission.chat else "prompt"
+            raise ApiError(str(e) or "the prompt could not be tokenized", param) from None
+        return replace(submission, prompts=prompts, tokenized=True)
+
+    def _tokenize(self, submission: Submission) -> list:
+        if not hasattr(self.local, "tokenizer"):
+            self.local.tokenizer = copy.deepcopy(self.tokenizer)
+        return tokenize_prompts(self.local.tokenizer, submission)
+
+
 # %% ../notebooks/16b_server.ipynb #4fa6360d
 async def collect(call: Call, chat: bool, model: str) -> dict:
     """A whole (not streamed) response."""
@@ -221,7 +246,7 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, api_key: str 
     max_model_len = engine_loop.max_model_len
     tokenizer = engine_loop.call(lambda engine: copy.deepcopy(engine.tokenizer)).result()
     max_chars = max_prompt_chars(tokenizer, max_model_len)
-    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # the server's own thread
+    tokenized = Tokenizing(tokenizer)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> Response:
@@ -259,17 +284,6 @@ def create_app(engine_loop: EngineLoop, served_model_name: str, *, api_key: str 
     async def stats(since_step: int = 0) -> dict:
         future = engine_loop.call(lambda engine: engine_stats(engine, since_step))
         return await asyncio.wrap_future(future)
-
-    async def tokenized(submission: Submission) -> Submission:
-        """The submission as token ids, tokenized on the server's thread, not the engine's."""
-        loop = asyncio.get_running_loop()
-        try:
-            prompts = await loop.run_in_executor(tokenizing, tokenize_prompts, tokenizer,
-                                                 submission)
-        except Exception as e:  # a conversation that the chat template refuses, ...
-            param = "messages" if submission.chat else "prompt"
-            raise ApiError(str(e) or "the prompt could not be tokenized", param) from None
-        return replace(submission, prompts=prompts, tokenized=True)
 
     async def generate(request: Request, chat: bool):
         check_content_type(request)
