@@ -11,6 +11,7 @@ import asyncio
 import copy
 import hmac
 import json
+import logging
 import os
 import re
 import signal
@@ -35,6 +36,8 @@ try:
 except ImportError as e:
     raise ImportError("the server needs FastAPI and uvicorn: pip install nanoengine[serve]") from e
 
+_log = logging.getLogger(__name__)
+
 
 class Call:
     """One HTTP request's view of the engine loop: its events arrive in an asyncio queue."""
@@ -54,6 +57,10 @@ class Call:
         """Wait until the engine accepts the request; raise ApiError if it refuses."""
         event = await self.events.get()
         self.finished = not isinstance(event, Accepted)
+        if isinstance(event, Rejected) and not isinstance(event.error, (TypeError, ValueError)):
+            _log.error("the engine refused a request unexpectedly", exc_info=event.error)
+            raise ApiError("internal server error (see the server's log)", status=500,
+                           type="server_error")  # a bug of ours, not the client's mistake
         if isinstance(event, Rejected):
             param = "messages" if self.parsed.submission.chat else "prompt"
             raise ApiError(str(event.error), param)

@@ -277,13 +277,29 @@ def test_load_generator_counts_dropped_connections(url):
     assert (refused["num_ok"], refused["num_failed"]) == (0, 4)
 
 
-def test_a_broken_engine_fails_fast_and_health_says_so(ckpt):
+def test_a_broken_engine_fails_fast_and_health_says_so(ckpt, monkeypatch):
     """In process: the engine's step raises (a failing kernel); nothing hangs, no repr leaks, /health turns 503."""
     engine_loop = EngineLoop(lambda: LLMEngine(ckpt, **ENGINE_KWARGS))
     try:
-        with TestClient(create_app(engine_loop, MODEL)) as client:
+        with TestClient(create_app(engine_loop, MODEL), raise_server_exceptions=False) as client:
             assert client.get("/health").status_code == 200
             assert client.post("/v1/completions", json=OK).status_code == 200
+            with monkeypatch.context() as patch:  # a bug of ours: still an OpenAI error body
+                patch.setattr("nanoengine.serve.parse_request", lambda *a, **k: {}["oops"])
+                t0 = time.perf_counter()
+                error = assert_error(client.post("/v1/completions", json=OK), time.perf_counter() - t0, 500)
+                assert error["type"] == "server_error" and "oops" not in error["message"]
+
+            def buggy_make_requests(*args):
+                raise KeyError("oops")
+
+            engine_loop.call(lambda engine: setattr(engine, "_make_requests", buggy_make_requests)).result()
+            t0 = time.perf_counter()  # admit fails with no ValueError: our bug, a 500 for this request only
+            error = assert_error(client.post("/v1/completions", json=OK), time.perf_counter() - t0, 500)
+            assert "oops" not in error["message"]
+            engine_loop.call(lambda engine: delattr(engine, "_make_requests")).result()
+            assert client.post("/v1/completions", json=OK).status_code == 200
+            assert client.get("/health").status_code == 200
 
             def broken_step():
                 raise OverflowError("int too big to convert")
