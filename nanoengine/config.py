@@ -116,13 +116,6 @@ class Config:
         self.model = str(self.model)
         self.dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(self.hf_config, name)
-            if heads % self.tensor_parallel_size:
-                raise ValueError(
-                    f"the model's {name} ({heads}) is not divisible by tensor_parallel_size="
-                    f"{self.tensor_parallel_size}: each rank must hold whole heads"
-                )
 
 
 def load_hf_config(model: str | os.PathLike) -> PretrainedConfig:

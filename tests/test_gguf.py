@@ -147,8 +147,11 @@ def test_tokenizer_matches_transformers():
         a = ours.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
         assert a == theirs.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
         assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(messages, tokenize=False)
-    assert ours.special_tokens_map == theirs.special_tokens_map
+    # the file says EOS is id 2 (<|im_end|>); older transformers (5.17) read <|im_start|> and no pad token there,
+    # so its special tokens are compared only where it reads the file's metadata as the file states it
     assert (ours.bos_token, ours.eos_token, ours.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    if theirs.eos_token == "<|im_end|>":
+        assert ours.special_tokens_map == theirs.special_tokens_map
     assert not ours.add_bos_token and ours.eos_token_id == 2
     assert ours.convert_ids_to_tokens(ours.encode("2024")) == ["2", "0", "2", "4"]
 
@@ -322,8 +325,13 @@ def test_tiny_tokenizer_with_bos_and_control_tokens_matches_transformers(tiny, t
     ours = gguf_tokenizer(file)
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=file.name)
     assert ours.add_bos_token == add_bos and ours.bos_token == "<|im_start|>"
+    # transformers 5.17 ignores tokenizer.ggml.add_bos_token; compare with it only where it honours the file
+    honours_bos = (theirs.encode("hello")[0] == vocab["<|im_start|>"]) == add_bos
     for text in ["hello world, the model", "<|im_start|>user\nhi<|im_end|>", "ünïcödé 🤖 2024"]:
-        assert ours.encode(text) == theirs.encode(text), text
+        if honours_bos:
+            assert ours.encode(text) == theirs.encode(text), text
+        else:
+            assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
         assert (ours.encode(text)[0] == vocab["<|im_start|>"]) == add_bos or text.startswith("<|im_start|>")
         assert ours.decode(ours.encode(text), skip_special_tokens=True) == theirs.decode(
             theirs.encode(text), skip_special_tokens=True)

@@ -230,7 +230,7 @@ def test_checkpoint_bad_input(tmp_path):
     with pytest.raises(ValueError, match="vocab_size"):
         write_random_checkpoint(tmp_path / "x", vocab_size=10)
     with pytest.raises(ValueError, match="model_type"):
-        write_random_checkpoint(tmp_path / "x", {"model_type": "llama"})
+        write_random_checkpoint(tmp_path / "x", {"model_type": "mistral"})
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError, match="not a directory"):
         write_random_checkpoint(tmp_path / "file")
