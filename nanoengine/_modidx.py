@@ -809,6 +809,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                        'nanoengine/models/qwen3.py'),
                                          'nanoengine.models.qwen3.Qwen3ForCausalLM.__init__': ( 'qwen3.html#qwen3forcausallm.__init__',
                                                                                                 'nanoengine/models/qwen3.py'),
+                                         'nanoengine.models.qwen3.Qwen3ForCausalLM.build': ( 'qwen3.html#qwen3forcausallm.build',
+                                                                                             'nanoengine/models/qwen3.py'),
                                          'nanoengine.models.qwen3.Qwen3ForCausalLM.compute_logits': ( 'qwen3.html#qwen3forcausallm.compute_logits',
                                                                                                       'nanoengine/models/qwen3.py'),
                                          'nanoengine.models.qwen3.Qwen3ForCausalLM.forward': ( 'qwen3.html#qwen3forcausallm.forward',

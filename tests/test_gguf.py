@@ -12,8 +12,7 @@ import torch
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
 
 from safetensors.torch import load_file  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 
 from nanoengine.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from nanoengine.utils.checkpoint import write_random_checkpoint  # noqa: E402
@@ -64,12 +63,9 @@ def same_bits(a: torch.Tensor, b) -> bool:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    """transformers' own GGUF path: SmolLM2 dequantized and un-permuted into its LlamaForCausalLM (~20 s)."""
-    hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(
-        SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32
-    ).eval()
+def hf_model(smollm2_hf):
+    """transformers' own GGUF path: SmolLM2 dequantized and un-permuted into its LlamaForCausalLM (conftest)."""
+    return smollm2_hf
 
 
 # --- against transformers and gguf ---------------------------------------------------------------------------------

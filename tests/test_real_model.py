@@ -36,10 +36,8 @@ def smol():
 
 
 @pytest.fixture(scope="module")
-def hf(smol):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smol.parent, gguf_file=smol.name, dtype=torch.float32).eval()
+def hf(smollm2_hf):
+    return smollm2_hf  # transformers' model of the same file, float32 (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -215,6 +215,20 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head(hidden_states)
 
     @classmethod
+    def build(
+        cls, config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> "Qwen3ForCausalLM":
+        """The module tree of `config`, its parameters in `dtype` on `device`, not yet loaded."""
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = cls(config)
+        finally:
+            torch.set_default_dtype(previous)
+        return model.to(device)  # get_rope's shared table may have been built elsewhere
+
+    @classmethod
     def from_pretrained(
         cls, path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> "Qwen3ForCausalLM":
@@ -228,14 +242,6 @@ class Qwen3ForCausalLM(nn.Module):
         path = resolve_model_path(path)
         config = AutoConfig.from_pretrained(path)
         dtype = dtype or getattr(config, "dtype", None) or torch.float32
-        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = cls(config)
-        finally:
-            torch.set_default_dtype(previous)
-        model.to(device)  # get_rope's shared table may have been built elsewhere
+        model = cls.build(config, DTYPES[dtype] if isinstance(dtype, str) else dtype, device)
         load_model(model, path)
         return model.eval()

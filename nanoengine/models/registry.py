@@ -79,16 +79,8 @@ def load_pretrained(
     loaded, in eval mode."""
     path = resolve_checkpoint(model)
     config = checkpoint_config(path)
-    cls = model_class(config)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype or torch.float32
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            built = cls(config)
-    finally:
-        torch.set_default_dtype(previous)
-    built.to(device)  # get_rope's shared table may have been built elsewhere
+    built = model_class(config).build(config, dtype, device)  # chapter 05's build: no weights yet
     load_weights(built, path)
     return built.eval()
 
