@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, graph_us, scattered_step  # noqa: E402
 
 from nanoengine.bench import bench_workload, provenance  # noqa: E402
-from nanoengine.layers.paged_decode import decode_partition, paged_decode  # noqa: E402
+from nanoengine.kernels.paged_decode import decode_partition, paged_decode  # noqa: E402
 
 STEPS = (0, 150, 300, 450, 550, 650, 750, 850, 950)
 WIDTH = math.ceil(4096 / BLOCK)  # the graphs' block-table width

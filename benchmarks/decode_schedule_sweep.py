@@ -24,7 +24,7 @@ from decode_tune import launch  # noqa: E402
 from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, graph_us  # noqa: E402
 
 from nanoengine.bench import bench_workload, provenance  # noqa: E402
-from nanoengine.layers.paged_decode import DECODE_BLOCK_N, decode_partition, paged_decode  # noqa: E402
+from nanoengine.kernels.paged_decode import DECODE_BLOCK_N, decode_partition, paged_decode  # noqa: E402
 
 WIDTH = 4096 // BLOCK  # the decode graphs' block-table width at max_model_len 4096
 POOL_BLOCKS = 791  # the most blocks any of the bench's decode steps holds

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, graph_us, scattered_step  # noqa: E402
 
 from nanoengine.bench import provenance  # noqa: E402
-from nanoengine.layers.paged_decode import (  # noqa: E402
+from nanoengine.kernels.paged_decode import (  # noqa: E402
     DECODE_BLOCK_N, _combine_kernel, _decode_kernel, decode_partition, paged_decode, pdl_capable,
 )
 

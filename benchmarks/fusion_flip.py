@@ -15,7 +15,7 @@ import torch
 from nanoengine import LLM
 from nanoengine.bench import ensure_checkpoint, measure_latency, provenance
 from nanoengine.engine.cuda_graphs import CUDAGraphDecoder
-from nanoengine.layers import fused
+from nanoengine.kernels import fused
 
 
 def main(path: str, prologues: list[str]) -> dict:

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from nanoengine.bench import provenance
-from nanoengine.layers.gemv import GEMV_BLOCK_N, _graph_time_us, gemv
-from nanoengine.layers.paged_decode import pdl_capable
+from nanoengine.kernels.gemv import GEMV_BLOCK_N, _graph_time_us, gemv
+from nanoengine.kernels.paged_decode import pdl_capable
 
 SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024), "down_proj": (1024, 3072)}
 

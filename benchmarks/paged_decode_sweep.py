@@ -13,7 +13,7 @@ import sys
 import torch
 
 from nanoengine.bench import provenance
-from nanoengine.layers.paged_decode import decode_partition, paged_decode
+from nanoengine.kernels.paged_decode import decode_partition, paged_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 16, 8, 128, 256, 28
 CASES = {

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from nanoengine.bench import provenance
-from nanoengine.layers.race_kernel import RACE_CHUNK, _race_chunk_kernel, _race_pick_kernel, race_sample
+from nanoengine.kernels.race_kernel import RACE_CHUNK, _race_chunk_kernel, _race_pick_kernel, race_sample
 from nanoengine.layers.sampler import Sampler, SamplingBatch
 from nanoengine.sampling_params import SamplingParams
 

@@ -1,7 +1,7 @@
 """Latency under load for chapter 16c: TTFT and ITL against the offered request rate, on a GPU machine.
 
 Starts `python -m nanoengine.serve` on the benchmark model (random-weight Qwen3-0.6B unless --model is given),
-sweeps offered request rates with open-loop Poisson arrivals (nanoengine.serve_load), and writes JSON with its
+sweeps offered request rates with open-loop Poisson arrivals (nanoengine.serving.load), and writes JSON with its
 provenance:
 
     python3 benchmarks/serve_load.py benchmarks/serve_h200.json
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanoengine.bench import ensure_checkpoint, provenance  # noqa: E402
-from nanoengine.serve_load import run_rate, saturation_rate  # noqa: E402
+from nanoengine.serving.load import run_rate, saturation_rate  # noqa: E402
 from nanoengine.utils.dist import free_port  # noqa: E402
 
 

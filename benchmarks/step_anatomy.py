@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 # imported by every spawned worker (PYTHONPATH is inherited): times the worker's loop, writes it at exit
 WORKER_TIMER = '''
 import json, os, time
-from nanoengine.engine import workers
+from nanoengine.parallel import workers
 
 _serve = workers.TensorParallelRunner.serve
 

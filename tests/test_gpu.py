@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.utils.checkpoint import write_random_checkpoint
+from nanoengine.models.checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -139,7 +139,7 @@ def test_triton_paged_decode_equals_flash_attn_and_torch_split_or_not_in_a_graph
     """paged_decode in bf16, eager and replayed from a CUDA graph, unsplit (many sequences) and split (few), equals
     the PyTorch backend (float32 softmax) and flash-attn's decode."""
     from nanoengine.layers.paged_attention import FlashBackend, TorchBackend, flash_attn_available
-    from nanoengine.layers.paged_decode import DECODE_SPLIT_BELOW, paged_decode
+    from nanoengine.kernels.paged_decode import DECODE_SPLIT_BELOW, paged_decode
     from nanoengine.utils.context import Context
     g = torch.Generator(device="cuda").manual_seed(0)
     k_cache, v_cache = torch.randn(2, 700, 256, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -168,7 +168,7 @@ def test_triton_paged_decode_equals_flash_attn_and_torch_split_or_not_in_a_graph
 def test_longest_first_decode_in_graphs_equals_the_batch_order_in_eager_steps(ckpt, monkeypatch):
     """Decode steps of up to 140 sequences (280 (sequence, KV head) pairs: unsplit, so started longest first) under
     CUDA graphs and async scheduling give the tokens of synchronous eager steps that keep the batch's order."""
-    from nanoengine.layers.paged_decode import DECODE_SPLIT_BELOW
+    from nanoengine.kernels.paged_decode import DECODE_SPLIT_BELOW
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 380, (int(n),), generator=g).tolist()
                for n in torch.randint(5, 700, (140,), generator=g)]
@@ -189,7 +189,7 @@ def test_longest_first_decode_in_graphs_equals_the_batch_order_in_eager_steps(ck
 
 def test_the_triton_decode_is_selected_unless_switched_off(monkeypatch):
     from nanoengine.layers.paged_attention import FlashBackend, flash_attn_available
-    from nanoengine.layers.paged_decode import FlashTritonBackend, TorchTritonBackend, select_attention_backend
+    from nanoengine.kernels.paged_decode import FlashTritonBackend, TorchTritonBackend, select_attention_backend
     kw = dict(device="cuda", block_size=256, shape=(16, 8, 128), dtype=torch.bfloat16)
     upgraded = FlashTritonBackend if flash_attn_available() else TorchTritonBackend
     assert type(select_attention_backend("auto", **kw)) is upgraded
@@ -203,7 +203,7 @@ def test_the_triton_decode_is_selected_unless_switched_off(monkeypatch):
 def test_fused_prologues_equal_the_two_kernels_they_replace_in_bf16():
     import torch.nn.functional as F
     from nanoengine.layers.activation import silu_and_mul
-    from nanoengine.layers.fused import fused_gemv
+    from nanoengine.kernels.fused import fused_gemv
     from nanoengine.layers.layernorm import add_rms_norm, rms_norm
     g = torch.Generator(device="cuda").manual_seed(0)
     for m, n, k in ((1, 4096, 1024), (3, 1024, 3072), (4, 6144, 1024)):
@@ -224,7 +224,7 @@ def test_fused_prologues_equal_the_two_kernels_they_replace_in_bf16():
 def test_prologue_kernels_round_as_eager_code_does_and_silu_equals_the_compiled_function():
     """The unfused prologues' Triton kernels (section 11.2) against chapter 04's functions, bf16, 1-16,384 rows."""
     from nanoengine.layers.activation import silu_and_mul
-    from nanoengine.layers.fused import add_rms_norm_triton, silu_and_mul_triton
+    from nanoengine.kernels.fused import add_rms_norm_triton, silu_and_mul_triton
     from nanoengine.layers.layernorm import add_rms_norm
     g = torch.Generator(device="cuda").manual_seed(0)
     for m, k in ((1, 1024), (7, 3072), (256, 1024), (16384, 1024)):
@@ -242,7 +242,7 @@ def test_prologue_kernels_round_as_eager_code_does_and_silu_equals_the_compiled_
 
 def test_the_prologue_kernels_serve_prompt_and_decode_steps_unless_switched_off(ckpt, monkeypatch):
     """Graphs, async scheduling and the unfused prologues' kernels vs transformers; NANOENGINE_PROLOGUE_KERNELS=0."""
-    import nanoengine.layers.fused as fused
+    import nanoengine.kernels.fused as fused
     rows = []
     real = fused.add_rms_norm_triton
     monkeypatch.setattr(fused, "add_rms_norm_triton", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
@@ -259,7 +259,7 @@ def test_the_prologue_kernels_serve_prompt_and_decode_steps_unless_switched_off(
 
 def test_greedy_with_every_fusion_forced_equals_transformers_up_to_near_ties(ckpt, monkeypatch):
     """Every fusion chosen (an infinite margin): graphs, async scheduling and the fused kernels against transformers."""
-    import nanoengine.layers.fused as fused
+    import nanoengine.kernels.fused as fused
     monkeypatch.setattr(fused, "FUSED_MARGIN", float("inf"))
     monkeypatch.setattr(fused, "_USE_FUSED", {})
     # at most 3 sequences a step: every decode step runs 1, 2 or 4 rows, where the fused kernels serve
@@ -268,8 +268,8 @@ def test_greedy_with_every_fusion_forced_equals_transformers_up_to_near_ties(ckp
 
 
 def test_rope_store_kernel_equals_qk_norm_rope_and_the_store_in_bf16():
-    from nanoengine.layers.kv_store import store_kv
-    from nanoengine.layers.rope_store import qk_norm_rope_store
+    from nanoengine.kernels.kv_store import store_kv
+    from nanoengine.kernels.rope_store import qk_norm_rope_store
     from nanoengine.layers.rotary_embedding import RotaryEmbedding
     from nanoengine.models.qwen3 import qk_norm_rope
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -296,7 +296,7 @@ def test_rope_store_kernel_equals_qk_norm_rope_and_the_store_in_bf16():
 
 def test_the_engine_uses_the_rope_store_kernel_and_equals_transformers(ckpt, monkeypatch):
     """Every layer of every step (prefill, graphed decode) goes through the one kernel; greedy output vs transformers."""
-    import nanoengine.layers.rope_store as rope_store
+    import nanoengine.kernels.rope_store as rope_store
     calls = []
     real = rope_store.qk_norm_rope_store
     monkeypatch.setattr(rope_store, "qk_norm_rope_store", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
@@ -306,7 +306,7 @@ def test_the_engine_uses_the_rope_store_kernel_and_equals_transformers(ckpt, mon
 
 def test_gemv_equals_f_linear_and_is_chosen_only_where_clearly_faster():
     import torch.nn.functional as F
-    from nanoengine.layers.gemv import GEMV_MARGIN, choose_gemv, gemv
+    from nanoengine.kernels.gemv import GEMV_MARGIN, choose_gemv, gemv
     weights = [torch.randn(1024, 2048, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
     bias = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
     for m in (1, 2, 3, 4):
@@ -417,7 +417,7 @@ def test_race_kernel_noise_on_the_gpu_stays_within_its_stated_error():
     import triton
     import triton.language as tl
 
-    from nanoengine.layers.race_kernel import _exponential, _log2
+    from nanoengine.kernels.race_kernel import _exponential, _log2
 
     @triton.jit
     def noise_kernel(bits_ptr, e_ptr, log_ptr, n, BLOCK: tl.constexpr):
@@ -447,7 +447,7 @@ def test_race_kernel_noise_on_the_gpu_stays_within_its_stated_error():
 def test_race_kernel_frequencies_match_the_softmax_over_the_whole_vocabulary():
     """Section 11.4's one-pass sampler, 102,400 draws over Qwen3's 151,936 tokens (20 logits, each repeated): the
     chi-square test that caught the first version's E = 0 bug (one row in 220 won by a uniformly drawn token)."""
-    from nanoengine.layers.race_kernel import race_sample
+    from nanoengine.kernels.race_kernel import race_sample
     vocab = 151_936
     z = torch.randn(20, generator=torch.Generator().manual_seed(0)).cuda() * 1.5  # the rarest: 36 draws expected
     logits = z.repeat(vocab // 20 + 1)[:vocab].to(torch.bfloat16).expand(4096, vocab).contiguous()

@@ -149,7 +149,7 @@ def test_tp2_worker_killed_mid_generate_is_an_error_within_seconds(ckpt, tmp_pat
         import os, signal, time
         import torch.distributed as dist
         from nanoengine import LLM, SamplingParams
-        from nanoengine.engine.workers import WorkerDiedError
+        from nanoengine.parallel.workers import WorkerDiedError
         if __name__ == "__main__":
             llm = LLM({str(ckpt)!r}, tensor_parallel_size=2, kvcache_block_size=256, num_kvcache_blocks=64,
                       max_model_len=2048)

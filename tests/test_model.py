@@ -15,10 +15,10 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from nanoengine.layers.attention import Attention, varlen_causal_attention  # noqa: E402
 from nanoengine.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from nanoengine.utils.checkpoint import (PRESETS, TOKENIZER_VOCAB_SIZE, qwen3_config,  # noqa: E402
+from nanoengine.models.checkpoint import (PRESETS, TOKENIZER_VOCAB_SIZE, qwen3_config,  # noqa: E402
                                          write_random_checkpoint)
 from nanoengine.utils.context import reset_context, set_context  # noqa: E402
-from nanoengine.utils.loader import load_model, resolve_model_path  # noqa: E402
+from nanoengine.models.loader import load_model, resolve_model_path  # noqa: E402
 
 hf_logging.disable_progress_bar()
 FP32_TOL, BF16_TOL = 1e-5, 5e-2          # max |ours - hf| / max |logit|; measured ~4e-7 and ~2e-2 (see chapter 05)

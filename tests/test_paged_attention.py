@@ -354,7 +354,7 @@ def test_a_flash_build_that_fails_the_probe_is_never_trusted(monkeypatch, bad):
 def test_paged_decode_refuses_a_bad_order_or_batch_before_launching(bad):
     """The Triton decode kernel's wrapper names a wrong `order` or an oversize batch, on any device."""
     pytest.importorskip("triton")
-    from nanoengine.layers.paged_decode import paged_decode
+    from nanoengine.kernels.paged_decode import paged_decode
 
     rows = 65_536 if bad == "too many rows" else 3
     q = torch.zeros(rows, 4, 16)

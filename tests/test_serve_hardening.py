@@ -13,11 +13,11 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from nanoengine.engine.engine_loop import EngineLoop
+from nanoengine.serving.engine_loop import EngineLoop
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.serve import create_app, parse_args
-from nanoengine.serve_load import run_rate
-from nanoengine.utils.checkpoint import write_random_checkpoint
+from nanoengine.serving.load import run_rate
+from nanoengine.models.checkpoint import write_random_checkpoint
 from test_serve import ENGINE_KWARGS, MODEL, start_server, stop
 
 KEY = "sk-test-0123"

@@ -7,7 +7,7 @@ import torch
 from nanoengine import LLM, SamplingParams
 from nanoengine.layers.attention import Attention
 from nanoengine.layers.embed_head import ParallelLMHead
-from nanoengine.utils.checkpoint import write_random_checkpoint
+from nanoengine.models.checkpoint import write_random_checkpoint
 from nanoengine.utils.context import DEFAULT_STEP, get_context
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.llm_engine import IncrementalText, find_stop, held_back
-from nanoengine.utils.checkpoint import write_random_checkpoint
+from nanoengine.models.checkpoint import write_random_checkpoint
 
 ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
 PROMPTS = ["The engine is", "Once upon a time", "In a galaxy far away"]

@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import nanoengine.engine.channels as channels
+import nanoengine.parallel.channels as channels
 from nanoengine import LLM, SamplingParams
 from nanoengine.engine.model_runner import min_over_ranks
 from nanoengine.engine.sequence import Sequence
-from nanoengine.engine.torchrun import run_worker
-from nanoengine.engine.workers import WorkerDiedError, WorkerGroup, serve_echo
-from nanoengine.utils.checkpoint import write_random_checkpoint
+from nanoengine.parallel.torchrun import run_worker
+from nanoengine.parallel.workers import WorkerDiedError, WorkerGroup, serve_echo
+from nanoengine.models.checkpoint import write_random_checkpoint
 from nanoengine.utils.dist import free_port, run_tp_workers, tp_rank
 
 ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=24, max_num_batched_tokens=64,
@@ -254,7 +254,7 @@ def test_torchrun_with_the_dist_control_plane(ckpt, reference, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import json, os
         from nanoengine import LLM, SamplingParams
-        from nanoengine.engine.torchrun import run_worker
+        from nanoengine.parallel.torchrun import run_worker
         if int(os.environ["RANK"]) > 0:
             run_worker()
         else:

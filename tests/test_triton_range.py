@@ -19,10 +19,10 @@ CHECK = r'''
 import torch
 import torch.nn.functional as F
 import triton
-from nanoengine.layers.gemv import gemv
-from nanoengine.layers.kv_store import store_kv_torch, store_kv_triton
-from nanoengine.layers.paged_decode import paged_decode
-from nanoengine.layers.fused import fused_gemv
+from nanoengine.kernels.gemv import gemv
+from nanoengine.kernels.kv_store import store_kv_torch, store_kv_triton
+from nanoengine.kernels.paged_decode import paged_decode
+from nanoengine.kernels.fused import fused_gemv
 from nanoengine.layers.layernorm import add_rms_norm
 from nanoengine.layers.activation import silu_and_mul
 from nanoengine.layers.paged_attention import TorchBackend
@@ -59,7 +59,7 @@ for m, n, k in [(1, 40, 96), (3, 33, 100)]:
     gu = torch.randn(m, 2 * k, generator=g)
     torch.testing.assert_close(fused_gemv(gu, w, prologue="silu")[0], F.linear(silu_and_mul(gu), w),
                                atol=1e-4, rtol=1e-4)
-from nanoengine.layers.fused import add_rms_norm_triton, silu_and_mul_triton
+from nanoengine.kernels.fused import add_rms_norm_triton, silu_and_mul_triton
 for m, k in [(3, 100), (1, 64)]:
     g = torch.Generator().manual_seed(k)
     x, r, nw = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g), torch.rand(k, generator=g)
@@ -69,7 +69,7 @@ for m, k in [(3, 100), (1, 64)]:
     assert torch.equal(res, want)
     gu = torch.randn(m, 2 * k, generator=g)
     torch.testing.assert_close(silu_and_mul_triton(gu), silu_and_mul(gu), atol=1e-5, rtol=1e-5)
-from nanoengine.layers.rope_store import qk_norm_rope_store
+from nanoengine.kernels.rope_store import qk_norm_rope_store
 from nanoengine.layers.rotary_embedding import RotaryEmbedding
 from nanoengine.models.qwen3 import qk_norm_rope
 for n, hq, hk, d in [(3, 4, 2, 32), (2, 6, 3, 16)]:
@@ -84,7 +84,7 @@ for n, hq, hk, d in [(3, 4, 2, 32), (2, 6, 3, 16)]:
     store_kv_torch(want_k, v0.view(n, hk, d), *caches[2:], slots)
     for got, want in ((q, want_q), (k, want_k), (caches[0], caches[2]), (caches[1], caches[3])):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-from nanoengine.layers.race_kernel import race_sample
+from nanoengine.kernels.race_kernel import race_sample
 z = torch.tensor([3.0, 0.0, -1.0, 2.0] * 50).repeat(6, 1)  # 6 rows of 200 tokens
 z[1, 77] = z[4, 150] = 40.0  # rows 1 and 4 have a clear winner
 temps = torch.tensor([0.7, 1e-3, 0.7, 0.7, 1e-3, 0.0])

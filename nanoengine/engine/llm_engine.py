@@ -27,7 +27,7 @@ from ..models.registry import checkpoint_config, model_class, resolve_checkpoint
 from ..sampling_params import SamplingParams
 from ..utils.checks import InvalidTypeError, check_bool, env_switch
 from ..utils.dist import tp_world
-from ..utils.gguf import gguf_tokenizer, is_gguf
+from ..models.gguf import gguf_tokenizer, is_gguf
 
 Prompt = str | list[int]
 # the settings the engine hands to Config, then the two it keeps for itself
@@ -179,7 +179,7 @@ class _EngineBase(_EngineSetup):
             self._check_kv_pool_fits()
         if self.config.tensor_parallel_size > 1:
             # one process per rank: chapter 14
-            from nanoengine.engine.workers import start_tensor_parallel
+            from nanoengine.parallel.workers import start_tensor_parallel
 
             self.model_runner = start_tensor_parallel(self.config, control_plane)
             # several ranks plan ahead only if each step's tokens reach every rank's device

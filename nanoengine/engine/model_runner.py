@@ -20,10 +20,10 @@ from ..config import Config
 from .cuda_graphs import CUDAGraphDecoder
 from .sequence import Sequence
 from ..layers.attention import Attention
-from ..layers.fused import choose_fusions, fusion_pairs
-from ..layers.gemv import choose_gemv
+from ..kernels.fused import choose_fusions, fusion_pairs
+from ..kernels.gemv import choose_gemv
 from ..layers.linear import LinearBase
-from ..layers.paged_decode import select_attention_backend
+from ..kernels.paged_decode import select_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch
 from ..models.registry import load_weights, model_class
 from ..utils.checks import env_switch

@@ -8,7 +8,7 @@ __all__ = ['divide', 'copy_shard', 'LinearBase', 'ReplicatedLinear', 'ColumnPara
 import torch
 from torch import nn
 
-from .gemv import linear
+from ..kernels.gemv import linear
 from ..utils.checks import check_int
 from ..utils.dist import all_reduce, tp_rank, tp_size
 

@@ -12,7 +12,7 @@ import torch
 
 from ..config import ATTENTION_BACKENDS
 from .attention import varlen_causal_attention
-from .kv_store import store_kv
+from ..kernels.kv_store import store_kv
 from ..utils.checks import check_int
 from ..utils.context import Context
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .race_kernel import draw_seed, race_kernel_serves, race_sample
+from ..kernels.race_kernel import draw_seed, race_kernel_serves, race_sample
 from ..sampling_params import SamplingParams
 from ..utils.checks import check_int
 from ..utils.compile import maybe_compile

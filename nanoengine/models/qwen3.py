@@ -10,8 +10,8 @@ from torch import nn
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from ..layers.fused import norm_linear, silu_linear
-from ..layers.rope_store import norm_rope_store
+from ..kernels.fused import norm_linear, silu_linear
+from ..kernels.rope_store import norm_rope_store
 from ..layers.layernorm import RMSNorm, rms_norm
 from nanoengine.layers.linear import (
     MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -237,7 +237,7 @@ class Qwen3ForCausalLM(nn.Module):
         from transformers import AutoConfig
 
         from nanoengine.config import DTYPES
-        from nanoengine.utils.loader import load_model, resolve_model_path
+        from nanoengine.models.loader import load_model, resolve_model_path
 
         path = resolve_model_path(path)
         config = AutoConfig.from_pretrained(path)

@@ -16,8 +16,8 @@ from transformers import PretrainedConfig
 from ..config import DTYPES, load_hf_config
 from .llama import LlamaForCausalLM
 from .qwen3 import Qwen3ForCausalLM
-from ..utils.gguf import find_gguf, gguf_config, is_gguf, load_gguf_model
-from ..utils.loader import load_model, resolve_model_path
+from .gguf import find_gguf, gguf_config, is_gguf, load_gguf_model
+from .loader import load_model, resolve_model_path
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

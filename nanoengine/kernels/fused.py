@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 import torch
 
-from .activation import silu_and_mul
-from nanoengine.layers.gemv import (
+from ..layers.activation import silu_and_mul
+from nanoengine.kernels.gemv import (
     GEMV_BLOCK_N, GEMV_MAX_K, GEMV_MAX_ROWS, _graph_time_us, linear, table_rows,
 )
-from .layernorm import RMSNorm
+from ..layers.layernorm import RMSNorm
 from .paged_decode import pdl_capable
 from ..utils.checks import env_switch
 from ..utils.dist import all_reduce

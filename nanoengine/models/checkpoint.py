@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from ..config import DTYPES
-from .checks import InvalidTypeError, check_int
+from ..utils.checks import InvalidTypeError, check_int
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(

@@ -14,8 +14,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .checks import InvalidTypeError
-from .dist import tp_size
+from ..utils.checks import InvalidTypeError
+from ..utils.dist import tp_size
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 
