@@ -13,7 +13,7 @@ from nanoengine.layers.layernorm import RMSNorm
 from nanoengine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                       ReplicatedLinear, RowParallelLinear, divide)
 from nanoengine.layers.rotary_embedding import get_rope
-from nanoengine.utils.compile import compile_enabled, maybe_compile
+from nanoengine.utils.compile import compile_stance, maybe_compile
 from nanoengine.utils.context import Context, get_context, reset_context, set_context
 from nanoengine.utils.dist import all_reduce, run_tp_workers, shard_and_run, tp_rank, tp_size
 
@@ -40,14 +40,20 @@ def test_context_and_rank_helpers_without_process_group():
     assert all_reduce(x) is x and x.tolist() == [1.0, 1.0, 1.0]
 
 
-def test_maybe_compile_never_compiles_on_cpu(monkeypatch):
+def test_maybe_compile_never_compiles_on_cpu():
     fn = maybe_compile(lambda t: t * 2)
     assert fn(torch.ones(2)).tolist() == [2.0, 2.0] and fn.compiled is None
-    monkeypatch.setenv("NANOENGINE_COMPILE", "0")
-    assert not compile_enabled()
-    monkeypatch.setenv("NANOENGINE_COMPILE", "maybe")
-    with pytest.raises(ValueError, match="NANOENGINE_COMPILE"):
-        compile_enabled()
+
+
+def test_compile_stance_off_runs_compiled_functions_eagerly():
+    traced = []
+    fn = torch.compile(lambda t: t * 2, backend=lambda gm, inputs: traced.append(gm) or gm.forward)
+    with compile_stance(False):
+        assert fn(torch.ones(2)).tolist() == [2.0, 2.0] and traced == []
+    with compile_stance(True):
+        assert fn(torch.ones(2)).tolist() == [2.0, 2.0] and len(traced) == 1
+    with pytest.raises(ValueError, match="enabled"):
+        compile_stance(1)
 
 
 def test_linear_layers_match_nn_linear_at_world_size_1():

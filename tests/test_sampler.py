@@ -75,6 +75,17 @@ def test_empty_batch():
     assert Sampler()(torch.randn(0, 7), batch_of([])).shape == (0,)
 
 
+def test_one_pass_is_a_checked_flag_and_a_cpu_takes_chapter_06s_path_either_way():
+    assert Sampler().one_pass and not Sampler(one_pass=False).one_pass
+    with pytest.raises(TypeError, match="one_pass"):
+        Sampler(one_pass="no")
+    logits, batch = torch.randn(8, 300), batch_of([SP(temperature=0.7)] * 8)
+    torch.manual_seed(3)
+    first = Sampler(one_pass=False)(logits, batch)
+    torch.manual_seed(3)
+    assert torch.equal(first, Sampler()(logits, batch))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_greedy_rows_equal_argmax_exactly(dtype):
     g = torch.Generator().manual_seed(0)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..kernels.race_kernel import draw_seed, race_kernel_serves, race_sample
 from ..sampling_params import SamplingParams
-from ..utils.checks import check_int
+from ..utils.checks import check_bool, check_int
 from ..utils.compile import maybe_compile
 
 # %% ../../notebooks/06_sampler.ipynb #b564e468
@@ -211,10 +211,15 @@ def _scale_and_race(
     """`_scale` then `_race` as one compiled region: the path when no row uses top-k or top-p."""
     return _race.eager(_scale.eager(logits, temperatures), noise)  # [B]
 
-
+# %% ../../notebooks/06_sampler.ipynb #smp00001
 class Sampler(nn.Module):
     """Turns one row of logits per sequence into one token id: greedy, or temperature + top-k +
     top-p sampling."""
+
+    def __init__(self, one_pass: bool = True) -> None:
+        super().__init__()
+        # section 11.4's one Triton pass for plain-temperature rows, where it serves
+        self.one_pass = check_bool("one_pass", one_pass)
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Sample token ids [B] (int64) from `logits` [B, V]."""
@@ -232,7 +237,7 @@ class Sampler(nn.Module):
             # [B, V] float32, a fresh tensor
             scaled = apply_top_k_top_p(_scale(logits, batch.temperatures), batch)
             sampled = _race(scaled, draw_exponentials(scaled, batch))  # [B]
-        elif race_kernel_serves(logits, batch.any_seeded):
+        elif self.one_pass and race_kernel_serves(logits, batch.any_seeded):
             # [B]: one Triton pass, its noise drawn in registers (section 11.4)
             sampled = race_sample(logits, batch.temperatures, draw_seed())
         else:
