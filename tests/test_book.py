@@ -1,4 +1,5 @@
-"""The book: it builds with warnings as errors, and the built site renders in a real (headless) browser."""
+"""The book: it builds with warnings as errors, and the built site renders in a real (headless)
+browser."""
 
 import json
 import re
@@ -24,10 +25,11 @@ CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
-# How myst-nb marks saved error output (checked against a built notebook with an exception and a stderr print),
-# plus docutils' inline error boxes.
+# How myst-nb marks saved error output (checked against a built notebook with an exception and a
+# stderr print), plus docutils' inline error boxes.
 ERROR_OUTPUT_SELECTOR = ".output.traceback, .output.error, .output.stderr, .system-message"
-# A page with display math: MathJax (served with the book, book/_static/mathjax) must typeset it offline.
+# A page with display math: MathJax (served with the book, book/_static/mathjax) must typeset it
+# offline.
 MATH_PAGE = "book/five_ideas.html"
 # Addresses of content delivery networks: the site must load nothing from them.
 CDN = re.compile(r"(cdn\.jsdelivr\.net|unpkg\.com|cdnjs\.cloudflare\.com|mathjax@)")
@@ -61,27 +63,35 @@ def simulator_checks() -> list[tuple[str, list[tuple[str, str]], str, str, str]]
     ]
 
 
-# The scheduler stepper's page and defaults (notebook 03's markup): pool blocks, block size, budget, max_num_seqs.
+# The scheduler stepper's page and defaults (notebook 03's markup): pool blocks, block size, budget,
+# max_num_seqs.
 STEPPER_PAGE = "notebooks/03_scheduler.html"
-WIDE_VIEWPORT = 1440  # a common laptop window, in CSS pixels
-# The first line of every visible code cell that is wider than its box.
-OVERFLOWING_CODE = """() => [...document.querySelectorAll('article div.cell_input pre')]
+# Common laptop windows, in CSS pixels: no code or output block may scroll sideways at either.
+WIDE_VIEWPORTS = (1440, 1280)
+# The first line of every visible code block (a cell's code or output, a fenced block) wider than
+# its box.
+OVERFLOWING_CODE = """() => [...document.querySelectorAll('article pre')]
     .filter(e => e.clientWidth > 0 && e.scrollWidth > e.clientWidth + 1)
     .map(e => e.innerText.split('\\n')[0].slice(0, 60))"""
+WIDE_BLOCKS = BUILD / "wide_blocks.json"  # what scrolls, per width and page (the last browser run)
 STEPPER_DEFAULTS = (24, 4, 16, 8, [(10, 8), (22, 6), (7, 10), (16, 5)])
 
 
-def stepper_states(num_blocks: int, block_size: int, budget: int, max_num_seqs: int, requests) -> list[dict]:
-    """The Python Scheduler's queues after each step, as the stepper's output shows them (names A, B, ...)."""
+def stepper_states(num_blocks: int, block_size: int, budget: int, max_num_seqs: int,
+                   requests) -> list[dict]:
+    """The Python Scheduler's queues after each step, as the stepper's output shows them (names A,
+    B, ...)."""
     from nanoengine.engine.scheduler import Scheduler
     from nanoengine.engine.sequence import Sequence
     from nanoengine.sampling_params import SamplingParams
 
-    sch = Scheduler(num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+    sch = Scheduler(num_blocks, block_size, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=budget,
                     max_model_len=1 << 20, enable_prefix_caching=False)
     names = {}
     for i, (prompt, max_tokens) in enumerate(requests):
-        seq = Sequence([1000 * (i + 1) + t for t in range(prompt)], SamplingParams(max_tokens=max_tokens),
+        seq = Sequence([1000 * (i + 1) + t for t in range(prompt)],
+                       SamplingParams(max_tokens=max_tokens),
                        block_size=block_size)
         names[seq.seq_id] = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[i]
         sch.add(seq)
@@ -92,13 +102,15 @@ def stepper_states(num_blocks: int, block_size: int, budget: int, max_num_seqs: 
         states.append({
             "step": str(batch.step), "waiting": "".join(names[s.seq_id] for s in sch.waiting),
             "running": "".join(names[s.seq_id] for s in sch.running),
-            "freeBlocks": str(sch.block_manager.num_free_blocks), "preemptions": str(sch.num_preemptions),
+            "freeBlocks": str(sch.block_manager.num_free_blocks),
+            "preemptions": str(sch.num_preemptions),
         })
     return states
 
 
 def click_stepper(page) -> list[str]:
-    """Step, run and reset chapter 03's scheduler stepper; what it shows must be the Python Scheduler's state."""
+    """Step, run and reset chapter 03's scheduler stepper; what it shows must be the Python
+    Scheduler's state."""
     out = "#sim-scheduler-out"
     if page.locator(out).count() != 1:
         return [f"{STEPPER_PAGE}: no scheduler stepper {out}"]
@@ -119,32 +131,39 @@ def click_stepper(page) -> list[str]:
         expect(f"after {k + 1} clicks on Step", states[k])
     rows = page.locator(".sim-scheduler-history tbody tr").count()
     if rows != 3:
-        problems.append(f"{STEPPER_PAGE}: {rows} rows in the stepper's history after 3 steps, expected 3")
+        problems.append(f"{STEPPER_PAGE}: {rows} rows in the stepper's history after 3 steps, "
+                        "expected 3")
     page.fill('.sim-scheduler input[name="num_blocks"]', "16")  # a smaller pool: a preemption
     expect("after the pool shrank", {"step": "0", "waiting": "ABCD"})
     page.click('.sim-scheduler button[name="run"]')
     small = stepper_states(16, *STEPPER_DEFAULTS[1:])
     expect("after Run on 16 blocks", {**small[-1], "done": "yes"})
     marked = page.eval_on_selector_all(
-        ".sim-scheduler-history tbody td:nth-child(5)", "tds => tds.filter(td => td.textContent).length"
+        ".sim-scheduler-history tbody td:nth-child(5)",
+        "tds => tds.filter(td => td.textContent).length"
     )
     if small[-1]["preemptions"] == "0" or not marked:
-        problems.append(f"{STEPPER_PAGE}: the 16-block run shows no preemption in the stepper's history")
+        problems.append(f"{STEPPER_PAGE}: the 16-block run shows no preemption in the stepper's "
+                        "history")
     page.click('.sim-scheduler button[name="reset"]')
     expect("after Reset", {"step": "0", "waiting": "ABCD", "running": ""})
     return problems
 
 
-# --- building ------------------------------------------------------------------------------------------------------
+# --- building -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def book_build() -> dict:
-    """Build the whole book from scratch into _build/ (as `make book` does), with warnings as errors."""
+    """Build the whole book from scratch into _build/ (as `make book` does), with warnings as
+    errors."""
     jupyter_book = Path(sys.executable).parent / "jupyter-book"
-    # --all: an incremental build only re-reads changed pages, so it would not repeat an old page's warnings.
-    cmd = [str(jupyter_book), "build", str(REPO), "--path-output", str(REPO), "--all", "-W", "-n", "--keep-going"]
+    # --all: an incremental build only re-reads changed pages, so it would not repeat an old page's
+    # warnings.
+    cmd = [str(jupyter_book), "build", str(REPO), "--path-output", str(REPO), "--all", "-W", "-n",
+           "--keep-going"]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=1200)
     seconds = time.monotonic() - start
     log = ANSI.sub("", proc.stdout)
     BUILD.mkdir(exist_ok=True)
@@ -158,7 +177,8 @@ def test_book_builds_with_warnings_as_errors(book_build):
     if book_build["returncode"] != 0:
         lines = book_build["log"].splitlines()
         warnings = [ln for ln in lines if "WARNING" in ln or "ERROR" in ln]
-        others = [ln for ln in lines if ln.strip() and ln not in warnings and not ln.startswith("=====")]
+        others = [ln for ln in lines
+                  if ln.strip() and ln not in warnings and not ln.startswith("=====")]
         pytest.fail(
             f"`{book_build['cmd']}` exited with {book_build['returncode']} "
             f"after {book_build['seconds']:.0f} s (full log: {BUILD_LOG}).\n"
@@ -168,7 +188,7 @@ def test_book_builds_with_warnings_as_errors(book_build):
         )
 
 
-# --- what the built pages contain -----------------------------------------------------------------------------------
+# --- what the built pages contain -----------------------------------------------------------------
 
 def built_pages() -> list[Path]:
     return sorted(HTML.rglob("*.html"))
@@ -178,7 +198,8 @@ def built_pages() -> list[Path]:
 def test_site_loads_nothing_from_a_cdn(book_build):
     found = [f"{p.relative_to(HTML)}: {m.group(0)}" for p in built_pages()
              for m in [CDN.search(p.read_text(encoding="utf-8"))] if m]
-    assert not found, "pages that reference a CDN (an offline reader would miss them):\n" + "\n".join(found)
+    assert not found, ("pages that reference a CDN (an offline reader would miss them):\n"
+                       + "\n".join(found))
 
 
 PRE = re.compile(r"<pre[^>]*>(.*?)</pre>", re.S)
@@ -191,7 +212,7 @@ def test_site_hides_nbval_markers_in_code(book_build):
     assert not found, f"pages whose code shows `# NBVAL_*` test markers: {found}"
 
 
-# --- what the table of contents promises ------------------------------------------------------------------------
+# --- what the table of contents promises ----------------------------------------------------------
 
 def toc_files() -> list[str]:
     """Every page of _toc.yml, root first, as paths without suffix relative to the repository."""
@@ -236,7 +257,7 @@ def page_title(stem: str) -> str:
     raise AssertionError(f"_toc.yml lists {stem}, but neither {stem}.md nor {stem}.ipynb exists")
 
 
-# --- the browser test -----------------------------------------------------------------------------------------------
+# --- the browser test -----------------------------------------------------------------------------
 
 def check_page(page, name: str, titles: list[str], title: str) -> list[str]:
     """What is wrong with the page open in `page`: navigation, its heading, images, error output."""
@@ -250,11 +271,13 @@ def check_page(page, name: str, titles: list[str], title: str) -> list[str]:
     if h1 != title:
         problems.append(f"{name}: the page heading is {h1!r}, expected {title!r}")
     broken = page.evaluate(
-        "() => [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
+        "() => [...document.images].filter(i => !(i.complete && i.naturalWidth > 0))"
+        ".map(i => i.src)"
     )
     if broken:
         problems.append(f"{name}: images that did not load: {broken}")
-    # A cell tagged `expected-stderr` shows an error on purpose (14.2: what a failing worker prints).
+    # A cell tagged `expected-stderr` shows an error on purpose (14.2: what a failing worker
+    # prints).
     errors = page.eval_on_selector_all(
         ERROR_OUTPUT_SELECTOR,
         "els => els.filter(e => !e.closest('.tag_expected-stderr')).map(e => e.innerText)",
@@ -263,7 +286,8 @@ def check_page(page, name: str, titles: list[str], title: str) -> list[str]:
         problems.append(f"{name}: error output on the page: {text[:300]!r}")
     shown = page.evaluate(
         "() => { const b = document.body.cloneNode(true);"
-        " b.querySelectorAll('.tag_expected-stderr').forEach(e => e.remove()); return b.textContent; }"
+        " b.querySelectorAll('.tag_expected-stderr').forEach(e => e.remove());"
+        " return b.textContent; }"
     )
     if "Traceback" in shown:
         problems.append(f"{name}: the page shows a Traceback")
@@ -280,7 +304,8 @@ def test_site_renders_in_headless_chromium(book_build):
 
     index, chapter = HTML / "index.html", HTML / CHAPTER_PAGE
     assert index.exists(), f"the book build wrote no {index}"
-    assert chapter.exists(), f"the book build wrote no {chapter}; update CHAPTER_PAGE in {Path(__file__).name}"
+    assert chapter.exists(), (f"the book build wrote no {chapter}; update CHAPTER_PAGE in "
+                              f"{Path(__file__).name}")
     stems = toc_files()
     titles = [page_title(s) for s in stems]
     root_html = stems[0] + ".html"
@@ -296,13 +321,14 @@ def test_site_renders_in_headless_chromium(book_build):
             def request_failed(request):
                 if request.url.startswith("file:"):  # a missing file of the site itself
                     problems.append(f"could not load {request.url}: {request.failure}")
-                else:  # nothing should be remote; reported, not fatal (test_site_loads_nothing_from_a_cdn)
+                else:  # nothing should be remote; reported, not fatal (the CDN test fails)
                     remote_failures.append(request.url)
 
             page.on("requestfailed", request_failed)
 
             page.goto(index.as_uri(), wait_until="load")
-            page.wait_for_url(f"**/{root_html}", timeout=15_000)  # index.html redirects to the root page
+            # index.html redirects to the root page
+            page.wait_for_url(f"**/{root_html}", timeout=15_000)
             page.wait_for_load_state("load")
             problems += check_page(page, "index", titles, titles[0])
 
@@ -354,14 +380,22 @@ def test_site_renders_in_headless_chromium(book_build):
                         problems.append(f"{stem}: MathJax left raw TeX in {num_math} formulas")
             print(f"every page opened: {len(stems)}")
 
-            wide = browser.new_page(viewport={"width": WIDE_VIEWPORT, "height": 900})
-            for stem in stems:  # code is written to 100 columns; book/_static/code.css makes it fit
-                wide.goto((HTML / f"{stem}.html").as_uri(), wait_until="load")
-                over = wide.evaluate(OVERFLOWING_CODE)
-                if over:
-                    problems.append(f"{stem}: {len(over)} code cells scroll sideways at "
-                                    f"{WIDE_VIEWPORT} px, the first: {over[0]!r}")
-            wide.close()
+            wide_blocks = {}
+            for width in WIDE_VIEWPORTS:  # code is written to 100 columns; code.css makes it fit
+                wide = browser.new_page(viewport={"width": width, "height": 900})
+                wide_blocks[width] = {}
+                for stem in stems:
+                    wide.goto((HTML / f"{stem}.html").as_uri(), wait_until="load")
+                    over = wide.evaluate(OVERFLOWING_CODE)
+                    if over:
+                        wide_blocks[width][stem] = over
+                        problems.append(f"{stem}: {len(over)} code or output blocks scroll "
+                                        f"sideways at {width} px, the first: {over[0]!r}")
+                wide.close()
+                count = sum(map(len, wide_blocks[width].values()))
+                print(f"at {width} px, {count} blocks scroll sideways on "
+                      f"{len(wide_blocks[width])} pages")
+            WIDE_BLOCKS.write_text(json.dumps(wide_blocks, indent=1), encoding="utf-8")
 
             page.goto((HTML / MATH_PAGE).as_uri(), wait_until="load")
             try:
@@ -374,5 +408,61 @@ def test_site_renders_in_headless_chromium(book_build):
     problems += [f"JavaScript error: {e}" for e in js_errors]
     print(f"screenshot: {SCREENSHOT}")
     if remote_failures:
-        print("remote assets that did not load (offline?):", *sorted(set(remote_failures)), sep="\n  ")
+        print("remote assets that did not load (offline?):", *sorted(set(remote_failures)),
+              sep="\n  ")
     assert not problems, "the built site does not render properly:\n" + "\n".join(problems)
+
+
+# --- the GPU cells' footers -----------------------------------------------------------------------
+
+
+def test_gpu_cells_footers_are_short_and_the_long_ones_are_rewritten(tmp_path):
+    """scripts/keep_gpu_outputs.py writes a short footer, and --shorten-footers rewrites the
+    134-character footers of earlier runs in place, leaving everything else in the notebook as it
+    was."""
+    import nbformat
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import keep_gpu_outputs
+
+    prov = {
+        "gpu": "NVIDIA H200",
+        "torch": "2.11.0+cu130",
+        "flash_attn": "2.8.3.post2",
+        "commit": "f86ab4c" + "0" * 33,
+        "date": "2026-12-03T12:00:00+00:00",
+    }
+    short = keep_gpu_outputs.provenance_line(prov)
+    assert short == "[H200 output · how it was measured: appendix]\n" and len(short) < 80
+    long = (
+        "[output of this cell on an NVIDIA H200 (torch 2.11.0+cu130, flash-attn 2.8.3.post2), "
+        "commit f86ab4c, "
+        "2026-12-03: scripts/gpu_check.py]\n"
+    )
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("A footer in prose stays: [output of this cell on an H200]"),
+        nbformat.v4.new_code_cell(
+            "# NBVAL_SKIP\nprint(1)",
+            outputs=[
+                nbformat.v4.new_output("stream", name="stdout", text="1\n"),
+                nbformat.v4.new_output("stream", name="stdout", text=long),
+            ],
+        ),
+        nbformat.v4.new_code_cell(
+            "# NBVAL_SKIP\nprint(2)",
+            outputs=[
+                nbformat.v4.new_output("stream", name="stdout", text="2\n" + long + "after\n")
+            ],
+        ),
+    ]
+    path = tmp_path / "gpu.ipynb"
+    nbformat.write(nb, path)
+    before = path.read_text(encoding="utf-8")
+    assert keep_gpu_outputs.shorten_footers(path) == 2
+    after = nbformat.read(path, as_version=4)
+    assert after.cells[1].outputs[1].text == short
+    assert after.cells[2].outputs[0].text == "2\n" + short + "after\n"
+    assert after.cells[0].source == nb.cells[0].source
+    assert path.read_text(encoding="utf-8") == before.replace(long.rstrip("\n"), short.rstrip("\n"))
+    assert keep_gpu_outputs.shorten_footers(path) == 0  # idempotent

@@ -3,50 +3,55 @@
 Numbers in the prose (for the authors of chapters)
 ==================================================
 
-No measured or computed number is typed into the prose: it is inserted when the book is built, from where it was
-measured, so that it cannot drift from its source.
+No measured or computed number is typed into the prose: it is inserted when the book is built,
+from where it was measured, so that it cannot drift from its source.
 
-* **A number measured on a GPU** lives in a committed JSON file under `benchmarks/`. Insert it with the `num` role,
-  which works in `book/*.md` pages and in the markdown cells of notebooks alike::
+* **A number measured on a GPU** lives in a committed JSON file under `benchmarks/`. Insert it
+  with the `num` role, which works in `book/*.md` pages and in notebooks' markdown cells alike::
 
-      nanoengine makes {num}`h200.json:headline.output_tok_per_s_median` output tokens per second.
-      A single request decodes at {num}`h200.json:headline.ms_per_token_median:.3f` ms per token.
+      nanoengine makes {num}`h200.json:headline.output_tok_per_s_median` output tokens per
+      second, and {num}`h200.json:headline.ms_per_token_median:.3f` ms per token at batch 1.
 
   The role's text is `FILE:PATH[:FORMAT]`:
 
-  - `FILE` is a JSON file under `benchmarks/` (`h200.json`, `h200x2.json`, `serve_h200.json`, ...);
-  - `PATH` walks into it: `.name` for a key, `[3]` for a list index (`[-1]` is the last), and `["any key"]` for a
-    key with spaces or other characters than letters, digits and `_`:
+  - `FILE` is a JSON file under `benchmarks/` (`h200.json`, `h200x2.json`, `serve_h200.json`);
+  - `PATH` walks into it: `.name` for a key, `[3]` for a list index (`[-1]` is the last), and
+    `["any key"]` for a key with other characters than letters, digits and `_`:
     `h200.json:ablations["no CUDA graphs"].output_tok_per_s`;
-  - `FORMAT` (optional) is a Python format spec, as in an f-string: `,.0f`, `.3f`, `.1%`, `+.0%`. Integers default
-    to `,` (`26,256`); a float needs a spec, so that its rounding is chosen, not accidental. Strings take string
-    specs (`.10` keeps a date's first ten characters); a leading minus sign is printed as a true minus (−).
+  - `FORMAT` (optional) is a Python format spec, as in an f-string: `,.0f`, `.3f`, `.1%`,
+    `+z.0%`. Integers default to `,` (`26,256`); a float needs a spec, so that its rounding is
+    chosen, not accidental. A string takes a string spec (`.10` keeps a date's first ten
+    characters). A leading minus sign is printed as a true minus (U+2212).
 
-  A small arithmetic form derives a figure from others, so a ratio or a difference is never typed either:
-  `+ - * /`, parentheses, number literals and `min max abs len sum` over references (`len` and `sum` take lists)::
+  A small arithmetic form derives a figure from others, so that a ratio or a change is never
+  typed either: `+ - * /`, parentheses, number literals, and `min max abs len sum` over
+  references (`len` and `sum` take lists). Only that: no attribute access, no other names::
 
-      {num}`h200.json:ablations["all optimisations"].output_tok_per_s / h200.json:ablations["no CUDA graphs"].output_tok_per_s:.1f`×
+      {num}`h200.json:a.tok_s / h200.json:b.tok_s:.1f` times faster
+      {num}`h200.json:a.tok_s / h200.json:b.tok_s - 1:+z.0%` (a change, e.g. +16%)
 
-  Only that: no attribute access, no other names. The unit stays in the prose, after the role.
+  The unit stays in the prose, after the role. A file or key that does not exist, or a format
+  that does not apply, fails the build (with or without -W) with a message naming the page, the
+  line, the file and the key. `tests/test_numbers.py` checks every `num` role of `book/*.md`
+  and `notebooks/*.ipynb` without a build, with this module's `find_num_roles` and
+  `render_num`, and scans the prose for numbers typed by hand.
 
-  A file or key that does not exist, or a format that does not apply, fails the build (whether or not warnings
-  are errors) with a message naming the page, the line, the file and the key. `tests/test_numbers.py` checks every
-  `num` role of `book/*.md` and `notebooks/*.ipynb` without a build, with the functions below
-  (`find_num_roles`, `render_num`).
+* **A number a notebook computes itself** (a count, a simulated result, a size) is glued with
+  myst-nb's `glue`. In a code cell: `from myst_nb import glue` and
+  `glue("steps_static", steps_static, display=False)`; in the markdown,
+  `` {glue:text}`steps_static:,` `` prints it with a format spec. Another page pastes it with
+  the notebook's path, `` {glue:text}`../notebooks/03_scheduler.ipynb::steps_static:,` ``. The
+  notebook's saved outputs must hold the glued value: re-execute it after adding a `glue` call.
 
-* **A number a notebook computes itself** (a count, a simulated result, a size) is glued with myst-nb's `glue`:
-  in a code cell, `from myst_nb import glue; glue("steps_static", steps_static, display=False)`; in the markdown,
-  `` {glue:text}`steps_static:,` ``, which prints the value with a format spec. Another page pastes it with the
-  notebook's path: `` {glue:text}`../notebooks/03_scheduler.ipynb::steps_static:,` `` (the notebook's saved output
-  must hold the glued value, so re-execute the notebook after adding a `glue` call).
+* **How a number was measured** (machine, script, command, processes, spreads, commits) is not
+  told in the chapters: `book/measurements.md`, the appendix "How the numbers were measured",
+  tells it, and chapters link to it.
 
-* **How a number was measured** (machine, script, command, processes, spreads, commits) is not told in the
-  chapters: `book/measurements.md`, the appendix "How the numbers were measured", tells it, and chapters link to it.
-
-* **Reading times** are computed, not typed: `` {reading-time}`.` `` prints "about N minutes" for the page it is on,
-  `` {reading-time}`../notebooks/05_qwen3.ipynb` `` for another page (a path relative to the page). The estimate is
-  `reading_minutes`: prose at 220 words a minute plus code at 12 lines a minute (5 seconds a line), rounded to 5
-  minutes; hidden cells (`remove-cell`, `remove-input`) and outputs do not count.
+* **Reading times** are computed, not typed: `` {reading-time}`.` `` prints "about N minutes"
+  for the page it is on, `` {reading-time}`../notebooks/05_qwen3.ipynb` `` for another page (a
+  path relative to the page). The estimate is `reading_minutes`: prose at 220 words a minute
+  plus code at 12 lines a minute (5 seconds a line), rounded to 5 minutes; hidden cells
+  (`remove-cell`, `remove-input`) and outputs do not count.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
 
 
-# --- the `num` role: numbers from benchmarks/*.json ------------------------------------------------------------------
+# --- the `num` role: numbers from benchmarks/*.json ---------------------------------------------
 
 class NumError(ValueError):
     """A `num` role that does not resolve: its message names the file and the key."""
@@ -83,11 +88,13 @@ _REFERENCE = re.compile(
     rf"(?P<file>[A-Za-z0-9_][A-Za-z0-9_/-]*(?:\.[A-Za-z0-9_-]+)*\.json):"
     rf"(?P<path>(?:[A-Za-z_][A-Za-z0-9_]*|\[(?:-?\d+|{_QUOTED})\])(?:{_SEGMENT})*)"
 )
-_PATH_PART = re.compile(rf"(?P<name>[A-Za-z_][A-Za-z0-9_]*)|\[(?P<index>-?\d+)\]|\[(?P<key>{_QUOTED})\]|\.")
+_PATH_PART = re.compile(
+    rf"(?P<name>[A-Za-z_][A-Za-z0-9_]*)|\[(?P<index>-?\d+)\]|\[(?P<key>{_QUOTED})\]|\."
+)
 NUM_ROLE = re.compile(r"\{num\}`([^`]*)`")
 FUNCTIONS = {"min": min, "max": max, "abs": abs, "len": len, "sum": sum}
-_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-              ast.Div: lambda a, b: a / b}
+_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+              ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,8 @@ def parse_path(path: str) -> tuple[str | int, ...]:
 
 
 def parse_num(text: str) -> NumSpec:
-    """Parse a `num` role's text, `FILE:PATH[:FORMAT]` or an expression over such references, then `[:FORMAT]`."""
+    """Parse a `num` role's text: `FILE:PATH[:FORMAT]`, or an expression over such references and
+    then `[:FORMAT]`."""
     text = text.strip()
     refs: list[Reference] = []
 
@@ -152,7 +160,8 @@ def _check_expression(spec: NumSpec) -> ast.expr:
         raise NumError(f"cannot read the expression {spec.text!r}: {exc.msg}") from None
     names = {f"_r{i}" for i in range(len(spec.references))}
     for node in ast.walk(tree):
-        ok = isinstance(node, (ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop, ast.Load, ast.Call))
+        ok = isinstance(node, (ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop, ast.Load,
+                               ast.Call))
         ok = ok or (isinstance(node, ast.Constant) and type(node.value) in (int, float))
         ok = ok or (isinstance(node, ast.Name) and (node.id in names or node.id in FUNCTIONS))
         if isinstance(node, ast.BinOp):
@@ -198,12 +207,15 @@ def resolve(ref: Reference, root: Path = BENCHMARKS) -> Any:
         raise NumError(f"benchmarks/{ref.file} is not valid JSON: {exc}") from None
     walked = []
     for part in ref.path:
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in walked).lstrip(".") or "the top level"
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in walked).lstrip(".")
+        where = where or "the top level"
         if isinstance(part, int):
             if not isinstance(value, list):
-                raise NumError(f"benchmarks/{ref.file}: {where} is not a list, so it has no index [{part}]")
+                raise NumError(f"benchmarks/{ref.file}: {where} is not a list, "
+                               f"so it has no index [{part}]")
             if not -len(value) <= part < len(value):
-                raise NumError(f"benchmarks/{ref.file}: {where} has {len(value)} items, no index [{part}]")
+                raise NumError(f"benchmarks/{ref.file}: {where} has {len(value)} items, "
+                               f"no index [{part}]")
         elif not isinstance(value, dict) or part not in value:
             keys = sorted(value)[:12] if isinstance(value, dict) else type(value).__name__
             raise NumError(f"benchmarks/{ref.file} has no key {part!r} in {where} (it has: {keys})")
@@ -221,7 +233,8 @@ def _evaluate(node: ast.expr, values: dict[str, Any]) -> Any:
         operand = _evaluate(node.operand, values)
         return -operand if isinstance(node.op, ast.USub) else +operand
     if isinstance(node, ast.BinOp):
-        return _OPERATORS[type(node.op)](_evaluate(node.left, values), _evaluate(node.right, values))
+        left, right = _evaluate(node.left, values), _evaluate(node.right, values)
+        return _OPERATORS[type(node.op)](left, right)
     if isinstance(node, ast.Call):
         return FUNCTIONS[node.func.id](*(_evaluate(a, values) for a in node.args))
     raise NumError(f"cannot evaluate {ast.dump(node)[:60]}")
@@ -236,7 +249,8 @@ def evaluate(spec: NumSpec, root: Path = BENCHMARKS) -> Any:
     for ref, value in zip(spec.references, values.values()):
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not (numeric or isinstance(value, list)):
-            raise NumError(f"{ref.text} is {type(value).__name__} {value!r:.40}, not a number to compute with")
+            raise NumError(f"{ref.text} is {type(value).__name__} {value!r:.40}, "
+                           "not a number to compute with")
     try:
         return _evaluate(tree, values)
     except (TypeError, ZeroDivisionError, ValueError) as exc:
@@ -244,19 +258,23 @@ def evaluate(spec: NumSpec, root: Path = BENCHMARKS) -> Any:
 
 
 def format_value(value: Any, fmt: str | None, text: str = "") -> str:
-    """`value` formatted by `fmt` (ints default to `,`, floats need a spec); a leading minus as U+2212."""
+    """`value` formatted by `fmt` (ints default to `,`, floats need a spec); a leading minus sign
+    as U+2212."""
     if value is None or isinstance(value, (bool, dict, list)):
-        raise NumError(f"{text!r} is {type(value).__name__} {value!r:.40}, not a number or a string")
+        raise NumError(f"{text!r} is {type(value).__name__} {value!r:.40}, "
+                       "not a number or a string")
     if fmt is None:
         if isinstance(value, float):
-            raise NumError(f"{text!r} is the float {value!r}: give it a format spec, e.g. `:.2f` or `:,.0f`")
+            raise NumError(f"{text!r} is the float {value!r}: give it a format spec, "
+                           "e.g. `:.2f` or `:,.0f`")
         fmt = "," if isinstance(value, int) else ""
     if isinstance(value, float) and not math.isfinite(value):
         raise NumError(f"{text!r} is {value!r}")
     try:
         shown = format(value, fmt)
     except (ValueError, TypeError) as exc:
-        raise NumError(f"format spec {fmt!r} does not apply to {value!r:.40} ({text!r}): {exc}") from None
+        raise NumError(f"format spec {fmt!r} does not apply to {value!r:.40} ({text!r}): "
+                       f"{exc}") from None
     return "\u2212" + shown[1:] if shown.startswith("-") and not isinstance(value, str) else shown
 
 
@@ -267,13 +285,14 @@ def render_num(text: str, root: Path = BENCHMARKS) -> str:
 
 
 def num_files(text: str, root: Path = BENCHMARKS) -> list[Path]:
-    """The JSON files a role's text names (for the build's dependencies), without resolving anything."""
+    """The JSON files a role's text names (the build's dependencies), without resolving them."""
     return [root / m.group("file") for m in _REFERENCE.finditer(text)]
 
 
 def find_num_roles(markdown: str) -> list[tuple[int, str]]:
     """Every `{num}` role of a markdown text: (line number from 1, the role's text)."""
-    return [(markdown.count("\n", 0, m.start()) + 1, m.group(1)) for m in NUM_ROLE.finditer(markdown)]
+    return [(markdown.count("\n", 0, m.start()) + 1, m.group(1))
+            for m in NUM_ROLE.finditer(markdown)]
 
 
 def _fail(inliner, lineno: int, rawtext: str, message: str):
@@ -297,7 +316,8 @@ def num_role(name, rawtext, text, lineno, inliner, options=None, content=()):
 
 
 def purge_num_errors(app: Sphinx, env, docname: str) -> None:
-    env.nanoengine_num_errors = [e for e in getattr(env, "nanoengine_num_errors", []) if e[0] != docname]
+    errors = getattr(env, "nanoengine_num_errors", [])
+    env.nanoengine_num_errors = [e for e in errors if e[0] != docname]
 
 
 def merge_num_errors(app: Sphinx, env, docnames, other) -> None:
@@ -313,7 +333,7 @@ def fail_on_num_errors(app: Sphinx, env) -> None:
                              + "\n".join(f"  {doc}:{line}: {msg}" for doc, line, msg in errors))
 
 
-# --- reading times --------------------------------------------------------------------------------------------------
+# --- reading times -------------------------------------------------------------------------------
 
 WORDS_PER_MINUTE = 220  # prose
 CODE_LINES_PER_MINUTE = 12  # code, read rather than skimmed: 5 seconds a line
@@ -323,8 +343,9 @@ _WORD = re.compile(r"[A-Za-z0-9][\w'’.-]*")
 
 
 def _markdown_counts(text: str) -> tuple[int, int]:
-    """(prose words, code lines) of a markdown text: fenced code counts as code, a directive's body (a figure's
-    caption, the glossary) as prose; math counts as one word, links' targets not at all."""
+    """(prose words, code lines) of a markdown text: fenced code counts as code, a directive's
+    body (a figure's caption, the glossary) as prose; math counts as one word, links' targets not
+    at all."""
     words = code = 0
     fences: list[tuple[str, bool]] = []  # the open fences, innermost last: (marker, holds code)
     for line in text.splitlines():
@@ -338,7 +359,8 @@ def _markdown_counts(text: str) -> tuple[int, int]:
         m = _FENCE.match(stripped)
         if m:
             info = m.group(2)
-            holds_code = m.group(1)[0] != ":" and (not info.startswith("{") or info.startswith("{code"))
+            holds_code = m.group(1)[0] != ":" and (not info.startswith("{")
+                                                   or info.startswith("{code"))
             fences.append((m.group(1), holds_code))
             continue
         if fences and stripped.startswith(":"):  # a directive's option
@@ -350,7 +372,8 @@ def _markdown_counts(text: str) -> tuple[int, int]:
 
 
 def page_counts(path: Path) -> tuple[int, int]:
-    """(prose words, code lines) of a book page (`.md`) or a chapter notebook (`.ipynb`), as a reader sees it."""
+    """(prose words, code lines) of a book page (`.md`) or a notebook (`.ipynb`), as a reader
+    sees it."""
     if path.suffix != ".ipynb":
         return _markdown_counts(path.read_text(encoding="utf-8"))
     words = code = 0
@@ -369,7 +392,8 @@ def page_counts(path: Path) -> tuple[int, int]:
 
 
 def reading_minutes(path: Path) -> int:
-    """Minutes to read a page: its prose at WORDS_PER_MINUTE plus its code at CODE_LINES_PER_MINUTE, to 5 min."""
+    """Minutes to read a page: its prose at WORDS_PER_MINUTE plus its code at
+    CODE_LINES_PER_MINUTE, rounded to 5 minutes."""
     words, code = page_counts(path)
     minutes = words / WORDS_PER_MINUTE + code / CODE_LINES_PER_MINUTE
     return max(5, 5 * round(minutes / 5))
@@ -388,7 +412,7 @@ def reading_time_role(name, rawtext, text, lineno, inliner, options=None, conten
     return [nodes.inline(rawtext, f"about {minutes} minutes", classes=["reading-time"])], []
 
 
-# --- what the site shows ----------------------------------------------------------------------------------------------
+# --- what the site shows -------------------------------------------------------------------------
 
 def repository_buttons(app: Sphinx, config: Config) -> None:
     """Show the repository, issues and launch buttons only when `repository.url` is set."""
@@ -425,12 +449,12 @@ def is_thebe_script(filename: str | None, body: str | None) -> bool:
 def tidy_scripts(app: Sphinx, env) -> None:
     """Write each inline script once, and no thebe scripts while thebe is off.
 
-    An extension's `app.add_js_file(None, body=...)` made after the builder started is stored once with
-    filename None (on the builder) and again with filename '' (re-read from the registry when writing
-    starts); the two compare unequal, so sphinx-thebe's config was written twice on every page:
-    `Identifier 'THEBE_JS_URL' has already been declared`. Dropping the None copies leaves the
-    registry's. Jupyter Book always loads sphinx-thebe; without a thebe launch button its scripts only
-    point at unpkg.com, so they go too.
+    An extension's `app.add_js_file(None, body=...)` made after the builder started is stored once
+    with filename None (on the builder) and again with filename '' (re-read from the registry when
+    writing starts); the two compare unequal, so sphinx-thebe's config was written twice on every
+    page: `Identifier 'THEBE_JS_URL' has already been declared`. Dropping the None copies leaves
+    the registry's. Jupyter Book always loads sphinx-thebe; without a thebe launch button its
+    scripts only point at unpkg.com, so they go too.
     """
     thebe_on = bool(app.config.html_theme_options.get("launch_buttons", {}).get("thebe"))
     registry = app.registry.js_files
