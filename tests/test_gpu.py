@@ -165,9 +165,10 @@ def test_triton_paged_decode_equals_flash_attn_and_torch_split_or_not_in_a_graph
             assert torch.equal(paged_decode(q, k_cache, v_cache, tables, lens, 0.088, order), got)
 
 
-def test_longest_first_decode_in_graphs_equals_the_batch_order_in_eager_steps(ckpt, monkeypatch):
+def test_longest_first_decode_in_graphs_equals_the_batch_order_in_eager_steps(ckpt):
     """Decode steps of up to 140 sequences (280 (sequence, KV head) pairs: unsplit, so started longest first) under
     CUDA graphs and async scheduling give the tokens of synchronous eager steps that keep the batch's order."""
+    from nanoengine.config import Optimizations
     from nanoengine.kernels.paged_decode import DECODE_SPLIT_BELOW
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 380, (int(n),), generator=g).tolist()
@@ -180,24 +181,28 @@ def test_longest_first_decode_in_graphs_equals_the_batch_order_in_eager_steps(ck
     got = [o["token_ids"] for o in fast.generate(prompts, greedy, use_tqdm=False)]
     assert max(r.num_seqs for r in fast.trace if not r.is_prefill) * 2 >= DECODE_SPLIT_BELOW
     fast.close()
-    monkeypatch.setenv("NANOENGINE_DECODE_ORDER", "0")
-    plain = LLM(ckpt, enforce_eager=True, async_scheduling=False, **kwargs)
+    plain = LLM(ckpt, enforce_eager=True, async_scheduling=False,
+                optimizations=Optimizations(longest_first_decode=False), **kwargs)
     assert not plain.model_runner.backend.longest_first
     assert [o["token_ids"] for o in plain.generate(prompts, greedy, use_tqdm=False)] == got
     plain.close()
 
 
-def test_the_triton_decode_is_selected_unless_switched_off(monkeypatch):
-    from nanoengine.layers.paged_attention import FlashBackend, flash_attn_available
-    from nanoengine.kernels.paged_decode import FlashTritonBackend, TorchTritonBackend, select_attention_backend
+def test_the_triton_decode_is_selected_unless_switched_off():
+    from nanoengine.config import Optimizations
+    from nanoengine.layers.paged_attention import (FlashBackend, FlashTritonBackend, TorchTritonBackend,
+                                                   flash_attn_available, select_attention_backend)
     kw = dict(device="cuda", block_size=256, shape=(16, 8, 128), dtype=torch.bfloat16)
     upgraded = FlashTritonBackend if flash_attn_available() else TorchTritonBackend
     assert type(select_attention_backend("auto", **kw)) is upgraded
     assert type(select_attention_backend("torch", **kw)).__name__ == "TorchBackend"
     assert type(select_attention_backend("auto", **{**kw, "block_size": 8})).__name__ == "TorchBackend"
-    monkeypatch.setenv("NANOENGINE_PAGED_DECODE", "0")
-    assert type(select_attention_backend("auto", **kw)) is (FlashBackend if flash_attn_available() else
-                                                           type(select_attention_backend("torch", **kw)))
+    in_order = select_attention_backend("auto", **kw, optimizations=Optimizations(longest_first_decode=False,
+                                                                                  split_mixed_steps=False))
+    assert type(in_order) is upgraded and not in_order.longest_first and not in_order.splits_mixed_steps
+    off = Optimizations(triton_decode=False)
+    assert type(select_attention_backend("auto", **kw, optimizations=off)) is (
+        FlashBackend if flash_attn_available() else type(select_attention_backend("torch", **kw)))
 
 
 def test_fused_prologues_equal_the_two_kernels_they_replace_in_bf16():

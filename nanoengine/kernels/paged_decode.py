@@ -2,22 +2,13 @@
 
 # %% auto #0
 __all__ = ['DECODE_BLOCK_N', 'DECODE_PARTITION', 'DECODE_SMALL_PARTITION', 'DECODE_SMALL_PAIRS', 'DECODE_MAX_PARTS',
-           'DECODE_SPLIT_BELOW', 'pdl_capable', 'decode_partition', 'paged_decode', 'TritonDecodeMixin',
-           'FlashTritonBackend', 'TorchTritonBackend', 'paged_decode_enabled', 'longest_first_enabled',
-           'split_mixed_enabled', 'paged_decode_unavailable_reason', 'select_attention_backend']
+           'DECODE_SPLIT_BELOW', 'pdl_capable', 'decode_partition', 'paged_decode', 'paged_decode_unavailable_reason']
 
 # %% ../../notebooks/08a_paged_decode.ipynb #bf60074d
 import math
 import os
-import warnings
 
 import torch
-
-from nanoengine.layers.paged_attention import (
-    AttentionBackend, FlashBackend, TorchBackend, flash_probe, get_attention_backend,
-)
-from ..utils.checks import env_switch
-from ..utils.context import Context
 
 try:
     import triton
@@ -168,7 +159,7 @@ def decode_partition(num_seqs: int, num_kv_heads: int, max_keys: int) -> int:
         partition = max(least, triton.cdiv(max_keys, DECODE_MAX_PARTS))
     return triton.cdiv(partition, DECODE_BLOCK_N) * DECODE_BLOCK_N
 
-
+# %% ../../notebooks/08a_paged_decode.ipynb #pdc00001
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None,
@@ -221,62 +212,7 @@ def paged_decode(
         )
     return out
 
-# %% ../../notebooks/08a_paged_decode.ipynb #0bebe156
-class TritonDecodeMixin:
-    """Decode by `paged_decode`; prefill as the backend it is mixed into."""
-
-    longest_first: bool = True  # start an unsplit step's sequences longest context first
-    splits_mixed_steps: bool = True  # a mixed step's decode rows by the kernel (section 6)
-
-    def decode(self, q, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
-        """One query per sequence over its context_lens keys, read in place: [B, Hq, D]."""
-        order = None
-        if self.longest_first and q.shape[0] * k_cache.shape[2] >= DECODE_SPLIT_BELOW:
-            if ctx.decode_order is None:  # the step's first layer sorts, the others reuse it
-                ctx.decode_order = torch.argsort(ctx.context_lens, descending=True)  # [B]
-            order = ctx.decode_order
-        return paged_decode(
-            q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale, order
-        )
-
-    def prefill(self, q, k, v, k_cache, v_cache, ctx: Context, scale: float) -> torch.Tensor:
-        """A mixed step split by the runner: its decode rows by the kernel, the prompt rows as the
-        backend's prefill; any other prefill step as the backend's: [N, Hq, D]."""
-        if ctx.decode_rows is None:
-            return super().prefill(q, k, v, k_cache, v_cache, ctx, scale)
-        d = ctx.decode_rows.context_lens.shape[0]
-        out = torch.empty_like(q)  # [N, Hq, D]
-        out[:d] = self.decode(q[:d], k_cache, v_cache, ctx.decode_rows, scale)
-        out[d:] = super().prefill(q[d:], k[d:], v[d:], k_cache, v_cache, ctx.prompt_rows, scale)
-        return out
-
-
-class FlashTritonBackend(TritonDecodeMixin, FlashBackend):
-    """FlashAttention-2 for prefill, the Triton kernel for decode."""
-
-
-class TorchTritonBackend(TritonDecodeMixin, TorchBackend):
-    """PyTorch for prefill, the Triton kernel for decode: a GPU without flash-attn."""
-
 # %% ../../notebooks/08a_paged_decode.ipynb #34c14a85
-def paged_decode_enabled() -> bool:
-    """Whether the engine may use `paged_decode`: NANOENGINE_PAGED_DECODE unset or '1' yes, '0'
-    no."""
-    return env_switch("NANOENGINE_PAGED_DECODE")
-
-
-def longest_first_enabled() -> bool:
-    """Whether the kernel starts a large step's sequences longest context first:
-    NANOENGINE_DECODE_ORDER unset or '1' yes, '0' no (the rows' own order)."""
-    return env_switch("NANOENGINE_DECODE_ORDER")
-
-
-def split_mixed_enabled() -> bool:
-    """Whether a mixed step's decode rows go to the kernel on their own (section 6):
-    NANOENGINE_SPLIT_MIXED unset or '1' yes, '0' no (the whole step through the prefill kernel)."""
-    return env_switch("NANOENGINE_SPLIT_MIXED")
-
-
 def paged_decode_unavailable_reason(
     device: str | torch.device, block_size: int, head_dim: int, dtype: torch.dtype
 ) -> str | None:
@@ -296,34 +232,14 @@ def paged_decode_unavailable_reason(
         return "bfloat16 matrix multiplies need compute capability 8.0 or later"
     return None
 
-# %% ../../notebooks/08a_paged_decode.ipynb #0912b9c2
-def select_attention_backend(
-    name: str = "auto", *, device: str | torch.device, block_size: int,
-    shape: tuple[int, int, int], dtype: torch.dtype,
-) -> AttentionBackend:
-    """`get_attention_backend`, then decode by the Triton kernel where it can serve and passes
-    flash_probe; "torch" by name stays plain PyTorch."""
-    backend = get_attention_backend(
-        name, device=device, block_size=block_size, shape=shape, dtype=dtype
-    )
-    num_heads, num_kv_heads, head_dim = shape
-    if name == "torch" or not paged_decode_enabled():
-        return backend
-    reason = paged_decode_unavailable_reason(device, block_size, head_dim, dtype)
-    if reason is None:
-        upgraded = (
-            FlashTritonBackend() if isinstance(backend, FlashBackend) else TorchTritonBackend()
-        )
-        wrong = flash_probe(
-            upgraded, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            dtype=dtype, device=device, block_size=block_size,
-        )
-        if wrong is None:
-            upgraded.longest_first = longest_first_enabled()
-            upgraded.splits_mixed_steps = split_mixed_enabled()
-            return upgraded
-        warnings.warn(
-            f"decoding with {type(backend).__name__}: the Triton decode kernel fails a start-up "
-            f"check ({wrong})", stacklevel=2,
-        )
-    return backend
+# %% ../../notebooks/08a_paged_decode.ipynb #tmp0shim
+_MOVED = ("TritonDecodeMixin", "FlashTritonBackend", "TorchTritonBackend", "select_attention_backend")
+
+
+def __getattr__(name: str):
+    """TRANSITIONAL (issue 41), removed once the runner imports from layers.paged_attention."""
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module("nanoengine.layers.paged_attention"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
