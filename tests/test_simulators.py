@@ -397,6 +397,10 @@ def test_preset_readmits_a_preempted_sequence_from_the_cache():
     assert (first["step"], victim, readmitted_at["step"]) == (6, 1, 9)
     assert (admission["cachedTokens"], admission["numTokens"]) == (20, 25)
     assert (prefill_tokens(on), prefill_tokens(off), len(on), len(off)) == (60, 80, 18, 19)
+    # in the page's 16-block run with caching on, all of D's blocks are reused before it returns
+    small = python_scheduler_steps(16, 4, 8, 16, PAGE_REQUESTS, True)
+    returns = [a for st in small for a in st["admitted"] if a["readmitted"]]
+    assert returns == [{"id": 3, "cachedTokens": 0, "numTokens": 17, "readmitted": True}]
 
 
 def test_the_last_block_is_always_recomputed():
@@ -488,5 +492,12 @@ def test_top_k_top_p_rules():
     expected = torch.softmax(torch.tensor(CHAPTER_06_LOGITS, dtype=torch.float64) / 0.5, -1)
     assert all(got["both off"]["kept"])
     assert torch.allclose(torch.tensor(got["both off"]["probs"], dtype=torch.float64), expected)
+    # what chapter 06 tells the reader to try
+    claims = run_js("temperature.js", "m.distribution(s[0], s[1], s[2], s[3])", [
+        (CHAPTER_06_LOGITS, 1.0, 5, 0.8), (CHAPTER_06_LOGITS, 1.0, 0, 0.5),
+    ])
+    assert [[i for i, k in enumerate(c["kept"]) if k] for c in claims] == [[0, 1, 2], [0, 1]]
+    assert [round(100 * p, 1) for p in claims[0]["probs"][:3]] == [53.1, 29.2, 17.7]
+    assert [round(100 * p, 1) for p in claims[0]["before"][:2]] == [32.8, 18.0]
     bad = run_js("temperature.js", "m.distribution([1, 2], 1, 0, s)", [0.0, 1.5])
     assert all("error" in b for b in bad), "top-p outside (0, 1], as SamplingParams refuses"

@@ -355,18 +355,22 @@
     return item;
   }
 
-  // The controls that pages written before prefix caching lack: a caching toggle, a shared prefix and the preset.
+  // The controls that pages written before prefix caching lack (a caching toggle, a shared prefix, the preset), each
+  // added only when the page does not have it.
   function ensureControls(root) {
     var grid = root.querySelector("div");
-    if (!root.querySelector('[name="prefix_caching"]')) {
-      var box = el("input", "justify-self:start");
-      box.type = "checkbox"; box.name = "prefix_caching"; box.id = "sim-sch-prefix_caching";
-      var shared = el("input");
-      shared.type = "number"; shared.name = "shared_prefix"; shared.id = "sim-sch-shared_prefix";
-      shared.value = "0"; shared.min = "0"; shared.step = "1";
-      var label = function (input, text) { var l = el("label", "", text); l.htmlFor = input.id; return l; };
-      grid.append(label(box, "prefix caching"), box, label(shared, "shared prompt prefix (tokens)"), shared);
-    }
+    var add = function (name, type, text, css) {
+      if (root.querySelector('[name="' + name + '"]')) return;
+      var input = el("input", css || "");
+      input.type = type; input.name = name; input.id = "sim-sch-" + name;
+      var label = el("label", "", text);
+      label.htmlFor = input.id;
+      grid.append(label, input);
+      return input;
+    };
+    add("prefix_caching", "checkbox", "prefix caching", "justify-self:start");
+    var shared = add("shared_prefix", "number", "shared prompt prefix (tokens)");
+    if (shared) { shared.value = "0"; shared.min = "0"; shared.step = "1"; }
     if (!root.querySelector('[name="preset"]')) {
       var preset = el("button", "padding:.2em 1em", "Preset: preempted, then re-admitted from the cache");
       preset.type = "button"; preset.name = "preset";

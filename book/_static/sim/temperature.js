@@ -83,9 +83,9 @@
       slider.type = "range"; slider.name = c[0]; slider.id = "sim-" + c[0];
       slider.min = c[2]; slider.max = c[3]; slider.step = c[4]; slider.value = c[5];
       label.htmlFor = slider.id;
-      var cell = el("span", "display:flex;align-items:center;gap:.6em");
-      cell.append(slider, el("span", "font-family:monospace"));
-      cell.lastChild.className = "sim-" + c[0] + "-value";
+      var value = el("span", "font-family:monospace"), cell = el("span", "display:flex;align-items:center;gap:.6em");
+      value.className = "sim-" + c[0] + "-value";
+      cell.append(slider, value);
       grid.append(label, cell);
     });
   }
@@ -125,8 +125,9 @@
       var temperature = Number(input("temperature").value);
       var topK = Number(input("top_k").value), topP = Number(input("top_p").value);
       input("top_k").max = String(logits.length);
-      root.querySelector(".sim-top_k-value").textContent = topK >= 1 ? String(topK) : "off";
-      root.querySelector(".sim-top_p-value").textContent = topP < 1 ? topP.toFixed(2) : "off";
+      var shown = [[".sim-top_k-value", topK >= 1 ? String(topK) : "off"],
+                   [".sim-top_p-value", topP < 1 ? topP.toFixed(2) : "off"]];
+      shown.forEach(function (v) { var e = root.querySelector(v[0]); if (e) e.textContent = v[1]; });
       try {
         if (logits.some(isNaN)) throw new Error("logits must be numbers separated by commas");
         var d = distribution(logits, temperature, topK, topP);
