@@ -419,6 +419,18 @@ def test_the_last_block_is_always_recomputed():
     assert hashes[0] != hashes[1], "chained: the same tokens after another prefix hash differently"
 
 
+def test_shared_prefix_page_claim():
+    """Chapter 03: the defaults with caching on and an 8-token shared prefix. At step 3 C and D
+    start from the cache; C's 7-token prompt is all shared, yet its last block is recomputed."""
+    (js,) = js_scheduler_steps([(24, 4, 8, 16, PAGE_REQUESTS, True, 8)])
+    assert js == python_scheduler_steps(24, 4, 8, 16, PAGE_REQUESTS, True, 8)
+    assert [(a["id"], a["cachedTokens"], a["numTokens"]) for a in js[2]["admitted"]] == [
+        (2, 4, 7), (3, 8, 16)
+    ]
+    (off,) = js_scheduler_steps([(24, 4, 8, 16, PAGE_REQUESTS)])
+    assert prefill_tokens(js) < prefill_tokens(off)
+
+
 # --- the temperature race with top-k and top-p ----------------------------------------------------
 
 CHAPTER_06_LOGITS = [4.2, 3.6, 3.1, 2.9, 2.5, 2.2, 2.0, 1.8, 1.7, 1.5, 1.2, 1.0, 0.9, 0.6, 0.4, 0.2,
