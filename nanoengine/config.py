@@ -42,7 +42,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
-
+# %% ../notebooks/01c_config.ipynb #7f7206b1
 def resolve_dtype(
     dtype: str | torch.dtype | None, device: torch.device, hf_config: PretrainedConfig
 ) -> torch.dtype:
@@ -69,7 +69,7 @@ def resolve_dtype(
 # %% ../notebooks/01c_config.ipynb #opt00002
 @dataclass(slots=True, frozen=True)
 class Optimizations:
-    """Which of Part IV's optimisations the engine uses: all by default; the benchmark turns them off one by one."""
+    """Which of Part IV's optimisations the engine uses: all, unless the benchmark turns one off."""
 
     torch_compile: bool = True  # compiled elementwise functions (chapter 12)
     triton_gemv: bool = True  # small-batch matrix-vector products by a Triton kernel (11.1)
@@ -77,11 +77,11 @@ class Optimizations:
     longest_first_decode: bool = True  # the decode kernel starts the longest rows first (08.1)
     split_mixed_steps: bool = True  # a mixed step's decode rows through the decode kernel (08.1)
     plan_prompt_steps: bool = True  # async scheduling plans steps with prompt work ahead too (10)
-    fused_prologues: bool = True  # RMSNorm or SiLU x mul fused into the next GEMV where it wins (11.2)
+    fused_prologues: bool = True  # RMSNorm or SiLU x mul fused into the next GEMV (11.2)
     prologue_kernels: bool = True  # unfused add + RMSNorm and SiLU x mul as Triton kernels (11.2)
     fused_rope_store: bool = True  # RoPE and the KV store in one kernel (11.3)
     one_pass_sampler: bool = True  # sampling in one Triton pass over the logits (11.4)
-    keep_activation_memory: bool = True  # the largest step's activations stay cached after start-up (09)
+    keep_activation_memory: bool = True  # the largest step's activations stay cached (09)
     batch_text_decode: bool = True  # generate detokenizes all completions in one call (10)
 
     def __post_init__(self):
@@ -148,7 +148,7 @@ class Config:
         self.dtype = resolve_dtype(self.dtype, self.device, self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
 
-
+# %% ../notebooks/01c_config.ipynb #a8bb0cf0
 def load_hf_config(model: str | os.PathLike) -> PretrainedConfig:
     """Read `config.json` from a checkpoint directory, or raise OSError saying what is missing."""
     if not isinstance(model, (str, os.PathLike)):

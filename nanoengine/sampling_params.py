@@ -42,7 +42,7 @@ def check_finite(name: str, value, low: float, high: float, **open_ends: bool) -
         raise ValueError(f"{name} must be in [{low}, {high}], got an integer too large for a "
                          "float") from None
 
-
+# %% ../notebooks/01b_sampling_params.ipynb #954c0f25
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How one request chooses its tokens (immutable); temperature 0 is greedy."""
@@ -75,4 +75,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request always takes the most likely token."""
         return self.temperature == 0.0
-

@@ -33,7 +33,7 @@ def varlen_causal_attention(
         out[q0:q1] = (scores.softmax(dim=-1) @ vs).transpose(0, 1).to(q.dtype)  # [nq, Hq, D]
     return out
 
-
+# %% ../../notebooks/05b_attention.ipynb #48660d82
 class Attention(nn.Module):
     """Causal self-attention over the packed batch of the current Context; paged through `backend`
     once one is bound."""

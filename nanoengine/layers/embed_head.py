@@ -56,7 +56,7 @@ class VocabParallelEmbedding(nn.Module):
         y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)
         return all_reduce(y * mask.unsqueeze(1))  # zero the foreign rows, then sum
 
-
+# %% ../../notebooks/04b_embed_head.ipynb #5ea985d4
 class ParallelLMHead(VocabParallelEmbedding):
     """LM head split by vocabulary; in prefill each sequence's last token; logits on rank 0."""
 

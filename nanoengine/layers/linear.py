@@ -139,7 +139,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             f"MergedColumnParallelLinear shard {shard_id}",
         )
 
-
+# %% ../../notebooks/04_layers.ipynb #879fde64
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by heads; shard_id 'q', 'k' or 'v'."""
 

@@ -32,7 +32,7 @@ PRESETS: dict[str, dict] = {
 }
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")  # llama: section 05.4
 
-
+# %% ../../notebooks/05a_checkpoint.ipynb #d466781c
 def qwen3_config(config: str | dict | PretrainedConfig = "tiny", **overrides) -> PretrainedConfig:
     """A Qwen3 (or Qwen2, or Llama) config from a preset name, a dict of fields or a config
     object; `None` overrides are ignored."""
@@ -141,7 +141,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-
+# %% ../../notebooks/05a_checkpoint.ipynb #78d0d36e
 def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, model_max_length: int = 2048):
     """A small byte-level BPE tokenizer with Qwen's special tokens and chat format, trained offline
     and deterministically."""
@@ -198,7 +198,7 @@ def randomize_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) 
         noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
         param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else std * noise)
 
-
+# %% ../../notebooks/05a_checkpoint.ipynb #3dcbed84
 def write_random_checkpoint(
     path: str | os.PathLike, config: str | dict | PretrainedConfig = "tiny", *, seed: int = 0,
     dtype: str | torch.dtype | None = None, tie_word_embeddings: bool | None = None,

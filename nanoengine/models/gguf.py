@@ -51,7 +51,7 @@ def find_gguf(directory: str | os.PathLike) -> Path | None:
         )
     return found[0] if found else None
 
-
+# %% ../../notebooks/05e_gguf.ipynb #7eab79e7
 def read_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":
     """Open a GGUF file; a missing, foreign, truncated or damaged file is an OSError naming it."""
     _require_gguf()
@@ -219,7 +219,7 @@ def _weights_dtype(reader) -> str:
         return "bfloat16"
     return "float16" if "F16" in types else "float32"
 
-
+# %% ../../notebooks/05e_gguf.ipynb #fdc828ec
 def _config_from_reader(reader, path) -> PretrainedConfig:
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -339,7 +339,7 @@ def byte_alphabet() -> dict[int, str]:
     shifted = [b for b in range(256) if b not in keep]
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
 
-
+# %% ../../notebooks/05e_gguf.ipynb #7a97242d
 def gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
     """The byte-level BPE tokenizer (tokenizer.ggml.model 'gpt2') of a GGUF file, with its special
     tokens and chat template."""
