@@ -8,6 +8,7 @@ import bisect
 import math
 
 import torch
+from fastcore.basics import patch
 
 from ..layers.paged_attention import FLASH_ONE_SPLIT_MAX_KEYS
 from ..utils.context import DEFAULT_STEP, StepContext
@@ -33,27 +34,30 @@ def bucket_for(buckets: list[int], n: int) -> int:
     return buckets[i]
 
 # %% ../../notebooks/11_cuda_graphs.ipynb #7f6ecfe0
-class _GraphBuffers:
-    """The static buffers the decode graphs read and write, sized for the largest bucket."""
+class CUDAGraphDecoder:
+    """The decode forward as CUDA graphs, one per batch-size bucket, sharing one memory pool."""
 
     def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        max_num_seqs: int,
-        max_model_len: int,
-        block_size: int,
-        hidden_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        self, model: torch.nn.Module, *, max_num_seqs: int, max_model_len: int, block_size: int,
+        hidden_size: int, dtype: torch.dtype, device: torch.device,
         step_context: StepContext = DEFAULT_STEP,
     ):
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model, self.step_context = model, step_context  # the holder the model's layers read
         self.buckets = graph_buckets(max_num_seqs)
-        self.max_batch = self.buckets[-1]
+        self.max_batch, self.max_model_len = self.buckets[-1], max_model_len
         self.max_blocks = math.ceil(max_model_len / block_size)
+        # small buckets: a graph for short contexts
+        self.short_context = min(FLASH_ONE_SPLIT_MAX_KEYS, max_model_len)
+        self._allocate_buffers(hidden_size, dtype, device)
+        # (bucket, longest context it serves) -> graph
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the memory pool the graphs share, the first capture's
+        self._capture()
+
+    def _allocate_buffers(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """The static buffers the graphs read and write, sized for the largest bucket."""
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -65,18 +69,7 @@ class _GraphBuffers:
         self.packed = torch.full((n, 4 + self.max_blocks), -1, dtype=torch.int64, device=device)
         self.packed[:, [0, 1, 3]] = 0
         self.padding = torch.tensor([-1, 0], device=device)  # slot, context length past the batch
-        self.outputs = torch.zeros(
-            n, hidden_size, dtype=dtype, device=device
-        )  # [max_batch, hidden]
-        self.max_model_len = max_model_len
-        self.short_context = min(
-            FLASH_ONE_SPLIT_MAX_KEYS, max_model_len
-        )  # small buckets: a graph for short contexts
-        self.graphs: dict[
-            tuple[int, int], torch.cuda.CUDAGraph
-        ] = {}  # (bucket, longest context it serves) -> graph
-        self.pool = None
-        self._capture()
+        self.outputs = torch.zeros(n, hidden_size, dtype=dtype, device=device)  # [max_batch, H]
 
     def context_variants(self, bs: int) -> list[int]:
         """The longest contexts bucket `bs` gets graphs for (small buckets: a short one too)."""
@@ -85,72 +78,78 @@ class _GraphBuffers:
         return [self.max_model_len]
 
 # %% ../../notebooks/11_cuda_graphs.ipynb #2c0f3116
-class CUDAGraphDecoder(_GraphBuffers):
-    """The decode forward as CUDA graphs, one per batch-size bucket, sharing one memory pool."""
-
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        for bs in reversed(self.buckets):
-            for max_keys in self.context_variants(bs):
-                self._set_context(bs, max_keys)
+@patch
+@torch.inference_mode()
+def _capture(self: CUDAGraphDecoder) -> None:
+    """Capture every bucket's graphs, largest first, into one memory pool."""
+    for bs in reversed(self.buckets):
+        for max_keys in self.context_variants(bs):
+            self._set_context(bs, max_keys)
+            self._forward(bs)
+            self._set_context(bs, max_keys)  # afresh: nothing derived eagerly is reused
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.pool):
                 self._forward(bs)
-                self._set_context(bs, max_keys)  # afresh: nothing derived eagerly is reused
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, self.pool):
-                    self._forward(bs)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bs, max_keys] = graph
-                torch.cuda.synchronize()
-        self.step_context.reset()
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs, max_keys] = graph
+            torch.cuda.synchronize()
+    self.step_context.reset()
 
-    def _forward(self, bs: int) -> None:
-        """What a graph records: unpack the first `bs` packed rows, run the model on them."""
-        rows = self.packed[:bs]  # [bs, 4 + max_blocks] int64
-        self.input_ids[:bs] = rows[:, 0]
-        self.positions[:bs] = rows[:, 1]
-        self.slot_mapping[:bs] = rows[:, 2]  # int64 -> int32 in the copy
-        self.context_lens[:bs] = rows[:, 3]
-        self.block_tables[:bs] = rows[:, 4:]
-        self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
 
-    def _set_context(self, bs: int, max_keys: int) -> None:
-        """The context of a capture: the static buffers' first `bs` rows."""
-        self.step_context.set(
-            is_prefill=False, slot_mapping=self.slot_mapping[:bs], max_seqlen_k=max_keys,
-            context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
+@patch
+def _forward(self: CUDAGraphDecoder, bs: int) -> None:
+    """What a graph records: unpack the first `bs` packed rows, run the model on them."""
+    rows = self.packed[:bs]  # [bs, 4 + max_blocks] int64
+    self.input_ids[:bs] = rows[:, 0]
+    self.positions[:bs] = rows[:, 1]
+    self.slot_mapping[:bs] = rows[:, 2]  # int64 -> int32 in the copy
+    self.context_lens[:bs] = rows[:, 3]
+    self.block_tables[:bs] = rows[:, 4:]
+    self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+
+
+@patch
+def _set_context(self: CUDAGraphDecoder, bs: int, max_keys: int) -> None:
+    """The context of a capture: the static buffers' first `bs` rows."""
+    self.step_context.set(
+        is_prefill=False, slot_mapping=self.slot_mapping[:bs], max_seqlen_k=max_keys,
+        context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
+    )
+
+# %% ../../notebooks/11_cuda_graphs.ipynb #9a4f2d63
+@patch
+def replay(
+    self: CUDAGraphDecoder, packed: torch.Tensor, max_seqlen_k: int = 0,
+    input_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy a packed decode batch in and replay its bucket's graph -> [n, hidden].
+
+    `packed` [n, 4 + width] int64 holds a row per sequence as `ModelRunner.pack_decode` builds
+    it: token, position, slot, context length, block table. `input_ids` [n], when given,
+    replaces the tokens (a step planned ahead takes them from the device). `max_seqlen_k`, the
+    longest context in the batch (0 = unknown), picks the short-context graph when it fits."""
+    if packed.dim() != 2 or packed.dtype != torch.int64:
+        raise ValueError(
+            f"packed must be a 2-D int64 tensor, got {packed.dtype} {tuple(packed.shape)}"
         )
-
-    def replay(
-        self, packed: torch.Tensor, max_seqlen_k: int = 0, input_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Copy a packed decode batch in and replay its bucket's graph -> [n, hidden].
-
-        `packed` [n, 4 + width] int64 holds a row per sequence as `ModelRunner.pack_decode` builds
-        it: token, position, slot, context length, block table. `input_ids` [n], when given,
-        replaces the tokens (a step planned ahead takes them from the device). `max_seqlen_k`, the
-        longest context in the batch (0 = unknown), picks the short-context graph when it fits."""
-        if packed.dim() != 2 or packed.dtype != torch.int64:
-            raise ValueError(
-                f"packed must be a 2-D int64 tensor, got {packed.dtype} {tuple(packed.shape)}"
-            )
-        n, columns = packed.shape
-        bs = bucket_for(self.buckets, n)
-        short = (bs, self.short_context)
-        graph = (
-            self.graphs[short]
-            if 0 < max_seqlen_k <= self.short_context and short in self.graphs
-            else self.graphs[bs, self.max_model_len]
+    n, columns = packed.shape
+    bs = bucket_for(self.buckets, n)
+    short = (bs, self.short_context)
+    graph = (
+        self.graphs[short]
+        if 0 < max_seqlen_k <= self.short_context and short in self.graphs
+        else self.graphs[bs, self.max_model_len]
+    )
+    if not 4 <= columns <= 4 + self.max_blocks:
+        raise ValueError(
+            f"packed rows need 4 to {4 + self.max_blocks} columns (a block table up to the "
+            f"captured width {self.max_blocks}), got {columns}"
         )
-        if not 4 <= columns <= 4 + self.max_blocks:
-            raise ValueError(
-                f"packed rows need 4 to {4 + self.max_blocks} columns (a block table up to the "
-                f"captured width {self.max_blocks}), got {columns}"
-            )
-        self.packed[:n, :columns] = packed  # one copy in; the graph unpacks it
-        if input_ids is not None:
-            self.packed[:n, 0] = input_ids
-        if n < bs:
-            self.packed[n:bs, 2:4] = self.padding  # rows past the batch write and read nothing
-        graph.replay()
-        return self.outputs[:n]
+    self.packed[:n, :columns] = packed  # one copy in; the graph unpacks it
+    if input_ids is not None:
+        self.packed[:n, 0] = input_ids
+    if n < bs:
+        self.packed[n:bs, 2:4] = self.padding  # rows past the batch write and read nothing
+    graph.replay()
+    return self.outputs[:n]

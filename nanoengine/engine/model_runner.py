@@ -15,18 +15,20 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from fastcore.basics import patch
+from torch import nn
 
 from ..config import Config
 from .cuda_graphs import CUDAGraphDecoder
 from .sequence import Sequence
-from ..layers.attention import Attention
 from ..kernels.fused import choose_fusions, fusion_pairs
 from ..kernels.gemv import choose_gemv
+from ..layers.attention import Attention
 from ..layers.linear import LinearBase
-from ..kernels.paged_decode import select_attention_backend
+from ..layers.paged_attention import AttentionBackend, select_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch
 from ..models.registry import load_weights, model_class
-from ..utils.checks import env_switch
+from ..utils.compile import compile_stance
 from ..utils.context import Context, StepContext, bind_step_context
 from ..utils.dist import tp_rank, tp_size
 from ..utils.memory import kv_cache_bytes_per_token
@@ -55,7 +57,7 @@ def default_cpu_num_blocks(config: Config) -> int:
     budget_blocks = min(CPU_KV_BUDGET_BYTES, ram // 10) // kv_block_bytes(config)
     return int(min(max(budget_blocks, per_seq), config.max_num_seqs * per_seq))
 
-
+# %% ../../notebooks/09_model_runner.ipynb #c3a1e0b2
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
     """The device of a rank: the local_rank-th GPU from the configured one on CUDA, the CPU
     otherwise."""
@@ -83,482 +85,539 @@ class LaunchedStep:
     ready: "torch.cuda.Event | None"  # None when nothing is asynchronous (CPU)
     launch_seconds: float = 0.0  # host time the engine spent queuing it (chapter 10)
 
-# %% ../../notebooks/09_model_runner.ipynb #681d4cc0
-class _RunnerSizing:
-    """The runner's memory at start-up: a worst-case step measured, the KV pool sized and
-    bound."""
-
-    def warmup(self) -> int:
-        """Run the largest prefill the scheduler can produce; return its peak activation memory in
-        bytes."""
-        cfg = self.config
-        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
-        num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
-        for seq in seqs:
-            seq.num_scheduled_tokens = seq_len
-        self.run(seqs, is_prefill=True)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        torch.cuda.empty_cache()
-        return peak
-
-    def keep_activation_memory(self) -> None:
-        """Leave the worst step's activation memory cached (one free segment of the caching
-        allocator), so that the first large prefill takes it from there, not from the driver."""
-        torch.empty(self.peak_activation_bytes, dtype=torch.uint8, device=self.device)
-
-    def allocate_kv_cache(self) -> int:
-        """Size the KV pool (the smallest over the ranks), allocate it and bind it to the layers."""
-        self.local_num_kvcache_blocks = self.kv_blocks_that_fit()
-        # every rank: the same block ids
-        num_blocks = min_over_ranks(self.local_num_kvcache_blocks, self.device)
-        num_kv_heads, head_dim = (
-            self.attention_layers[0].num_kv_heads, self.attention_layers[0].head_dim,
-        )
-        self.kv_cache = torch.zeros(
-            2, len(self.attention_layers), num_blocks, self.block_size, num_kv_heads, head_dim,
-            dtype=self.dtype, device=self.device,
-        )  # [K/V, layer, block, slot, head, dim]
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache, layer.backend = (
-                self.kv_cache[0, i], self.kv_cache[1, i], self.backend,
-            )
-        return num_blocks
-
-    def kv_blocks_that_fit(self) -> int:
-        """This rank's own pool size: measured on GPU, configured or defaulted on CPU."""
-        cfg = self.config
-        block_bytes = kv_block_bytes(cfg)
-        if cfg.num_kvcache_blocks is not None:
-            num_blocks = cfg.num_kvcache_blocks
-        elif self.device.type == "cuda":
-            num_blocks = self._gpu_blocks_that_fit(block_bytes)
-        else:
-            num_blocks = default_cpu_num_blocks(cfg)
-        return num_blocks
-
-    def _gpu_blocks_that_fit(self, block_bytes: int) -> int:
-        """KV blocks that fill this engine's share of the GPU; the whole share must be free now."""
-        cfg, gib = self.config, 2**30
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        own = torch.cuda.memory_allocated(self.device) - self.baseline_bytes  # weights and buffers
-        share = total * cfg.gpu_memory_utilization
-        budget = share - own - self.peak_activation_bytes  # this engine's share
-        room = free - self.peak_activation_bytes - GPU_HEADROOM_BYTES  # what others left
-        asked = (
-            f"gpu_memory_utilization={cfg.gpu_memory_utilization} gives this engine "
-            f"{share / gib:.1f} of {total / gib:.1f} GiB"
-        )
-        if budget < block_bytes:
-            raise ValueError(
-                f"no GPU memory left for the KV cache on {self.device}: {asked}, and its weights "
-                f"({own / gib:.2f} GiB) and activations ({self.peak_activation_bytes / gib:.2f} "
-                "GiB) take all of it; raise gpu_memory_utilization or lower "
-                "max_num_batched_tokens"
-            )
-        if room < budget:
-            fits = max(0.0, (free - GPU_HEADROOM_BYTES + own) / total)
-            raise ValueError(
-                f"not enough free GPU memory on {self.device}: {asked}, but only "
-                f"{free / gib:.1f} GiB are free (other engines or processes hold "
-                f"{(total - free - own) / gib:.1f} GiB). Close engines you no longer use "
-                f"(LLM.close()), or ask for less: gpu_memory_utilization={fits:.2f} fits now"
-            )
-        return int(budget // block_bytes)
-
-# %% ../../notebooks/09_model_runner.ipynb #db2716a6
-class _RunnerMemory(_RunnerSizing):
-    """The runner's memory given back: close() frees the pool, the graphs, the weights and the
-    cache."""
-
-    def close(self) -> None:
-        """Give back every byte (KV pool, graphs, weights); idempotent."""
-        if not self.closed:
-            self._free()
-
-    def _free(self) -> None:
-        """Drop the KV pool, graphs, weights and sampler; hand the cached memory back."""
-        self.closed = True
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = torch.tensor([])
-            layer.backend = None
-        self.attention_layers = []
-        self.kv_cache = self.graphs = self.model = self.sampler = self.backend = None
-        self.last_sample = ([], None)  # its tensors too
-        self.step.reset()
-        gc.collect()  # the model's modules refer to each other: free them now
-        if self.device.type == "cuda" and self._device_idle(IDLE_SECONDS):
-            torch.cuda.empty_cache()  # hand the cached blocks back to the driver
-
-    def _device_idle(self, seconds: float) -> bool:
-        """Wait at most `seconds` for the work queued on this device; False (with a warning) if it
-        is still running, as a collective stalled by a dead rank would be."""
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))  # this engine's device, not the current
-        deadline = time.monotonic() + seconds
-        while not done.query():
-            if time.monotonic() > deadline:
-                warnings.warn(
-                    f"{self.device} is still busy {seconds:.0f} s after close() (a collective "
-                    "waiting for a rank that died?); its memory is returned when this process "
-                    "exits",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                return False
-            time.sleep(0.001)
-        return True
-
 # %% ../../notebooks/09_model_runner.ipynb #b369c217
-class _RunnerBase(_RunnerMemory):
-    """The runner's start-up: model, weights, side channel, attention backend, pool, CUDA graphs."""
-
-    def __init__(self, config: Config, rank: int = 0, local_rank: int | None = None):
-        self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
-        if (tp_size(), tp_rank()) != (self.world_size, rank):
-            raise RuntimeError(
-                f"this process is rank {tp_rank()} of a process group of {tp_size()}, but the "
-                "runner "
-                f"was asked to be rank {rank} of tensor_parallel_size={self.world_size}; a "
-                "tensor-parallel engine needs its own process group (close any other one first)"
-            )
-        self.device = rank_device(config.device, rank if local_rank is None else local_rank)
-        self.dtype = config.dtype
-        self.closed = False
-        self.block_size = config.kvcache_block_size
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.cuda.empty_cache()  # memory a closed engine left cached counts as free again
-            self.baseline_bytes = torch.cuda.memory_allocated(self.device)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                self.model = model_class(config.hf_config)(config.hf_config)  # section 05.6
-        finally:
-            torch.set_default_dtype(previous)
-        load_weights(self.model, config.model)  # safetensors or GGUF
-        self.model.eval()
-        # this runner's side channel (section 04.1): no state shared with others
-        self.step = StepContext()
-        bind_step_context(self.model, self.step)
-        self.sampler = Sampler()
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        first = self.attention_layers[0]
-        self.backend = select_attention_backend(
-            self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
-            shape=(first.num_heads, first.num_kv_heads, first.head_dim),
-        )
-        self.split_mixed = self.backend.splits_mixed_steps  # decode rows apart (_split_mixed)
-        self.one_copy_inputs = env_switch("NANOENGINE_ONE_COPY")  # off: the ladder's rung only
-        # the largest prefill before anything else runs the compiled kernels: their launch
-        # settings are tuned on the sizes of their first calls (see the text below)
-        self.peak_activation_bytes = self.warmup() if self.device.type == "cuda" else 0
-        self.gemv_report = (
-            choose_gemv([m.weight for m in self.model.modules() if isinstance(m, LinearBase)])
-            if self.device.type == "cuda"
-            else {}
-        )  # per shape: cuBLAS or the Triton kernel (chapter 11.1)
-        self.fused_report = (
-            choose_fusions(fusion_pairs(self.model)) if self.device.type == "cuda" else {}
-        )  # per shape: norm or activation fused into the projection, or not (chapter 11.2)
-        self.num_kvcache_blocks = self.allocate_kv_cache()
-        self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = CUDAGraphDecoder(
-                self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                block_size=self.block_size, hidden_size=config.hf_config.hidden_size,
-                dtype=self.dtype, device=self.device, step_context=self.step,
-            )
-            self.decode_table_width = self.graphs.max_blocks  # see _split_mixed
-        if self.device.type == "cuda" and env_switch("NANOENGINE_KEEP_ACTIVATIONS"):
-            self.keep_activation_memory()  # budgeted with the pool: no cudaMalloc in the first run
-
-    def _backend_name(self) -> str:
-        """The attention backend to ask for: FlashAttention computes only in float16/bfloat16."""
-        name = self.config.attention_backend
-        if self.dtype not in (torch.float16, torch.bfloat16):
-            if name == "flash":
-                raise ValueError(
-                    f"attention_backend='flash' needs dtype float16 or bfloat16, got {self.dtype}"
-                )
-            if name == "auto":
-                return "torch"
-        return name
-
-
-# %% ../../notebooks/09_model_runner.ipynb #ec2fb850
-class _RunnerPacking(_RunnerBase):
-    """Packing scheduled sequences into the step's tensors and its attention layout."""
+class ModelRunner:
+    """One rank's model, KV pool and sampler: turns a scheduled batch into one sampled token per
+    sequence."""
 
     split_mixed: bool = False  # attend a mixed step's decode rows apart (its backend asks)
     decode_table_width: int = 0  # ... their block tables padded this wide (the decode graphs')
     last_sample: tuple[list, SamplingBatch | None] = ([], None)  # the last step's params, batch
-    one_copy_inputs: bool = True  # graphs take pack_decode's rows; sampling tensors are reused
+    graphs: CUDAGraphDecoder | None = None  # the decode graphs (chapter 11), captured last
 
-    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """A flat list of ints as a tensor on the runner's device (pinned, non-blocking on GPU).
-
-        Through array + frombuffer: about three times faster than torch.tensor on a long list."""
-        t = (
-            torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
-            if values
-            else torch.empty(0, dtype=dtype)
+    def __init__(self, config: Config, rank: int = 0, local_rank: int | None = None):
+        self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
+        self.dtype, self.block_size, self.closed = config.dtype, config.kvcache_block_size, False
+        self.device, self.baseline_bytes = self._claim_device(
+            rank if local_rank is None else local_rank
         )
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        self.model, self.step = self._load_model()  # bound to this runner's own StepContext
+        self.sampler = Sampler(one_pass=config.optimizations.one_pass_sampler)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.backend = self._select_backend()
+        self.split_mixed = self.backend.splits_mixed_steps  # decode rows apart (_split_mixed)
+        on_gpu = self.device.type == "cuda"
+        with compile_stance(config.optimizations.torch_compile):
+            # the largest prefill first: compiled kernels keep the launch settings of their first
+            # calls (see "Start-up on a GPU" below)
+            self.peak_activation_bytes = self.warmup() if on_gpu else 0
+            self.gemv_report, self.fused_report = self._tune_kernels()
+            self.num_kvcache_blocks = self.allocate_kv_cache()
+            if on_gpu and not config.enforce_eager:
+                self.graphs = self._capture_graphs()
+                self.decode_table_width = self.graphs.max_blocks  # see _split_mixed
+        if on_gpu and config.optimizations.keep_activation_memory:
+            self.keep_activation_memory()  # budgeted with the pool: no cudaMalloc in the first run
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Block tables padded with -1 to the longest: [num_seqs, max_blocks]."""
-        lengths = [len(seq.block_table) for seq in seqs]
-        flat = [block for seq in seqs for block in seq.block_table]
-        table = torch.full((len(seqs), max(lengths)), -1, dtype=torch.int32)
-        filled = torch.arange(table.shape[1]) < torch.tensor(lengths)[:, None]
-        table[filled] = torch.tensor(flat, dtype=torch.int32)
-        if self.device.type == "cuda":
-            return table.pin_memory().to(self.device, non_blocking=True)
-        return table
-
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pack the scheduled chunks of a prefill step; publish its attention layout."""
-        input_ids, positions, slot_mapping = [], [], []
-        cu_seqlens_q, cu_seqlens_k = [0], [0]
-        max_seqlen_q = max_seqlen_k = 0
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
-            # a decode row: its newest token
-            input_ids += seq[start:end] if seq.is_prefill else [seq.last_token]
-            positions += range(start, end)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
-            max_seqlen_q, max_seqlen_k = max(max_seqlen_q, end - start), max(max_seqlen_k, end)
-            if seq.block_table:
-                for pos_block in range(start // self.block_size, (end - 1) // self.block_size + 1):
-                    base = seq.block_table[pos_block] * self.block_size
-                    lo = max(start, pos_block * self.block_size) - pos_block * self.block_size
-                    hi = min(end, (pos_block + 1) * self.block_size) - pos_block * self.block_size
-                    slot_mapping += range(base + lo, base + hi)
-            else:
-                slot_mapping += [-1] * (end - start)
-        has_cached_keys = cu_seqlens_k[-1] > cu_seqlens_q[-1]
-        cu_q = self._tensor(cu_seqlens_q, torch.int32)
-        cu_k = self._tensor(cu_seqlens_k, torch.int32)
-        tables = self._block_tables(seqs) if has_cached_keys else None
-        parts = self._split_mixed(seqs, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, tables)
-        self.step.set(
-            is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, slot_mapping=self._tensor(slot_mapping, torch.int32),
-            block_tables=tables, **parts,
+# %% ../../notebooks/09_model_runner.ipynb #5b7e2c10
+@patch
+def _claim_device(self: ModelRunner, local_rank: int) -> tuple[torch.device, int]:
+    """This rank's device and the bytes allocated there before this runner (0 on a CPU)."""
+    if (tp_size(), tp_rank()) != (self.world_size, self.rank):
+        raise RuntimeError(
+            f"this process is rank {tp_rank()} of a process group of {tp_size()}, but the runner "
+            f"was asked to be rank {self.rank} of tensor_parallel_size={self.world_size}; a "
+            "tensor-parallel engine needs its own process group (close any other one first)"
         )
-        # [N], [N]
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+    device = rank_device(self.config.device, local_rank)
+    if device.type != "cuda":
+        return device, 0
+    torch.cuda.set_device(device)
+    torch.cuda.empty_cache()  # memory a closed engine left cached counts as free again
+    return device, torch.cuda.memory_allocated(device)
 
-    def _split_mixed(
-        self, seqs: list[Sequence], cu_seqlens_q: list[int], cu_seqlens_k: list[int],
-        cu_q: torch.Tensor, cu_k: torch.Tensor, tables: torch.Tensor | None,
-    ) -> dict:
-        """A mixed step's leading decode rows and its prompt rows as two contexts, for a backend
-        that attends them apart (section 08.1); {} for any other step or backend."""
-        d = 0
-        while d < len(seqs) and not seqs[d].is_prefill:
-            d += 1
-        if not d or d == len(seqs) or not self.split_mixed:
-            return {}
-        q_lens = [b - a for a, b in zip(cu_seqlens_q[d:], cu_seqlens_q[d + 1:])]
-        k_lens = [b - a for a, b in zip(cu_seqlens_k[d:], cu_seqlens_k[d + 1:])]
-        prompt_cached = cu_seqlens_k[-1] - cu_seqlens_k[d] > cu_seqlens_q[-1] - cu_seqlens_q[d]
-        # the decode rows' tables as wide as the decode graphs' (chapter 11): the kernel variants
-        # they compiled at start-up serve these rows too, and none is compiled mid-run
-        pad = max(0, self.decode_table_width - tables.shape[1])
-        decode_tables = torch.nn.functional.pad(tables[:d], (0, pad), value=-1)  # [d, width]
-        decode = Context(
-            max_seqlen_k=max(seq.num_tokens for seq in seqs[:d]),
-            context_lens=cu_k[: d + 1].diff(), block_tables=decode_tables,
+
+@patch
+def _load_model(self: ModelRunner) -> tuple[nn.Module, StepContext]:
+    """The model in the engine's dtype on this rank's device, loaded, bound to its own side
+    channel (section 04.1): no state shared with another runner."""
+    hf = self.config.hf_config
+    model = model_class(hf).build(hf, self.dtype, self.device)  # section 05.6
+    load_weights(model, self.config.model)  # safetensors or GGUF
+    step = StepContext()
+    bind_step_context(model, step)
+    return model.eval(), step
+
+# %% ../../notebooks/09_model_runner.ipynb #a6c3e8f1
+@patch
+def _select_backend(self: ModelRunner) -> AttentionBackend:
+    """The attention backend for this model's heads (chapter 08, section 08.1)."""
+    first = self.attention_layers[0]
+    return select_attention_backend(
+        self._backend_name(), device=self.device, block_size=self.block_size, dtype=self.dtype,
+        shape=(first.num_heads, first.num_kv_heads, first.head_dim),
+        optimizations=self.config.optimizations,
+    )
+
+
+@patch
+def _backend_name(self: ModelRunner) -> str:
+    """The attention backend to ask for: FlashAttention computes only in float16/bfloat16."""
+    name = self.config.attention_backend
+    if self.dtype not in (torch.float16, torch.bfloat16):
+        if name == "flash":
+            raise ValueError(
+                f"attention_backend='flash' needs dtype float16 or bfloat16, got {self.dtype}"
+            )
+        if name == "auto":
+            return "torch"
+    return name
+
+
+@patch
+def _tune_kernels(self: ModelRunner) -> tuple[dict, dict]:
+    """The kernels' timings on this model's shapes (on a GPU; chapters 11.1 and 11.2): the GEMV
+    report and the fusion report."""
+    if self.device.type != "cuda":
+        return {}, {}
+    linear = [m.weight for m in self.model.modules() if isinstance(m, LinearBase)]
+    return choose_gemv(linear), choose_fusions(fusion_pairs(self.model))
+
+# %% ../../notebooks/09_model_runner.ipynb #681d4cc0
+@patch
+def allocate_kv_cache(self: ModelRunner) -> int:
+    """Size the KV pool (the smallest over the ranks), allocate it and bind it to the layers."""
+    self.local_num_kvcache_blocks = self.kv_blocks_that_fit()
+    # every rank: the same block ids
+    num_blocks = min_over_ranks(self.local_num_kvcache_blocks, self.device)
+    num_kv_heads, head_dim = (
+        self.attention_layers[0].num_kv_heads, self.attention_layers[0].head_dim,
+    )
+    self.kv_cache = torch.zeros(
+        2, len(self.attention_layers), num_blocks, self.block_size, num_kv_heads, head_dim,
+        dtype=self.dtype, device=self.device,
+    )  # [K/V, layer, block, slot, head, dim]
+    for i, layer in enumerate(self.attention_layers):
+        layer.k_cache, layer.v_cache, layer.backend = (
+            self.kv_cache[0, i], self.kv_cache[1, i], self.backend,
         )
-        prompt = Context(
-            is_prefill=True, cu_seqlens_q=cu_q[d:] - cu_q[d], cu_seqlens_k=cu_k[d:] - cu_k[d],
-            max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
-            block_tables=tables[d:] if prompt_cached else None,
+    return num_blocks
+
+
+@patch
+def kv_blocks_that_fit(self: ModelRunner) -> int:
+    """This rank's own pool size: measured on GPU, configured or defaulted on CPU."""
+    cfg = self.config
+    block_bytes = kv_block_bytes(cfg)
+    if cfg.num_kvcache_blocks is not None:
+        num_blocks = cfg.num_kvcache_blocks
+    elif self.device.type == "cuda":
+        num_blocks = self._gpu_blocks_that_fit(block_bytes)
+    else:
+        num_blocks = default_cpu_num_blocks(cfg)
+    return num_blocks
+
+# %% ../../notebooks/09_model_runner.ipynb #9e4c6b52
+@patch
+def _gpu_blocks_that_fit(self: ModelRunner, block_bytes: int) -> int:
+    """KV blocks that fill this engine's share of the GPU; the whole share must be free now."""
+    cfg, gib = self.config, 2**30
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(self.device)
+    own = torch.cuda.memory_allocated(self.device) - self.baseline_bytes  # weights and buffers
+    share = total * cfg.gpu_memory_utilization
+    budget = share - own - self.peak_activation_bytes  # this engine's share
+    room = free - self.peak_activation_bytes - GPU_HEADROOM_BYTES  # what others left
+    asked = (
+        f"gpu_memory_utilization={cfg.gpu_memory_utilization} gives this engine "
+        f"{share / gib:.1f} of {total / gib:.1f} GiB"
+    )
+    if budget < block_bytes:
+        raise ValueError(
+            f"no GPU memory left for the KV cache on {self.device}: {asked}, and its weights "
+            f"({own / gib:.2f} GiB) and activations ({self.peak_activation_bytes / gib:.2f} "
+            "GiB) take all of it; raise gpu_memory_utilization or lower "
+            "max_num_batched_tokens"
         )
-        return {"decode_rows": decode, "prompt_rows": prompt}
-
-    def pack_decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """A decode step's rows on the device, [B, 4 + max_blocks] int64: token, position, slot,
-        context length, block table (padded with -1); one host-to-device copy."""
-        b, width = self.block_size, max(len(seq.block_table) for seq in seqs)
-        flat: list[int] = []  # row by row
-        for seq in seqs:
-            n, table = seq.num_tokens, seq.block_table
-            flat += (seq.last_token, n - 1, table[-1] * b + (n - 1) % b, n)
-            flat += table
-            if len(table) < width:
-                flat += [-1] * (width - len(table))
-        return self._tensor(flat, torch.int64).view(len(seqs), 4 + width)
-
-    def unpacked_rows(self, seqs: list[Sequence]) -> torch.Tensor:
-        """`pack_decode`'s rows rebuilt from `prepare_decode`'s eager unpacking, one copy per
-        column: the decode inputs as they reached the graphs before 23ee078 (the ladder's rung)."""
-        input_ids, positions = self.prepare_decode(seqs)
-        ctx = self.step.current
-        width = ctx.block_tables.shape[1]
-        rows = torch.empty(len(seqs), 4 + width, dtype=torch.int64, device=self.device)
-        for i, column in enumerate((input_ids, positions, ctx.slot_mapping, ctx.context_lens)):
-            rows[:, i] = column
-        rows[:, 4:] = ctx.block_tables
-        return rows
-
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pack one new token per sequence; publish slots, context lengths and block tables."""
-        packed = self.pack_decode(seqs)
-        self.step.set(
-            is_prefill=False, slot_mapping=packed[:, 2].contiguous(),
-            max_seqlen_k=max(seq.num_tokens for seq in seqs),
-            context_lens=packed[:, 3].to(torch.int32), block_tables=packed[:, 4:].to(torch.int32),
+    if room < budget:
+        fits = max(0.0, (free - GPU_HEADROOM_BYTES + own) / total)
+        raise ValueError(
+            f"not enough free GPU memory on {self.device}: {asked}, but only "
+            f"{free / gib:.1f} GiB are free (other engines or processes hold "
+            f"{(total - free - own) / gib:.1f} GiB). Close engines you no longer use "
+            f"(LLM.close()), or ask for less: gpu_memory_utilization={fits:.2f} fits now"
         )
-        return packed[:, 0].contiguous(), packed[:, 1].contiguous()  # input_ids [B], positions [B]
+    return int(budget // block_bytes)
 
-    def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
-        """Each sequence's sampling settings; a row samples the token at index num_tokens of its
-        sequence. The same requests as the last step, none seeded, reuse its tensors."""
-        params = [seq.sampling_params for seq in seqs]
-        last_params, last = self.last_sample
-        if (
-            self.one_copy_inputs and last is not None and not last.any_seeded
-            and len(params) == len(last_params)
-            and all(a is b for a, b in zip(params, last_params))  # frozen: same object, same values
-        ):
-            return last
-        batch = SamplingBatch.from_params(
-            params, [seq.num_tokens for seq in seqs], device=self.device, check=False
-        )
-        self.last_sample = (params, batch)
-        return batch
+# %% ../../notebooks/09_model_runner.ipynb #db2716a6
+@patch
+def close(self: ModelRunner) -> None:
+    """Give back every byte (KV pool, graphs, weights); idempotent."""
+    if not self.closed:
+        self._free()
+
+
+@patch
+def _free(self: ModelRunner) -> None:
+    """Drop the KV pool, graphs, weights and sampler; hand the cached memory back."""
+    self.closed = True
+    for layer in self.attention_layers:
+        layer.k_cache = layer.v_cache = torch.tensor([])
+        layer.backend = None
+    self.attention_layers = []
+    self.kv_cache = self.graphs = self.model = self.sampler = self.backend = None
+    self.last_sample = ([], None)  # its tensors too
+    self.step.reset()
+    gc.collect()  # the model's modules refer to each other: free them now
+    if self.device.type == "cuda" and self._device_idle(IDLE_SECONDS):
+        torch.cuda.empty_cache()  # hand the cached blocks back to the driver
+
+
+@patch
+def _device_idle(self: ModelRunner, seconds: float) -> bool:
+    """Wait at most `seconds` for the work queued on this device; False (with a warning) if it
+    is still running, as a collective stalled by a dead rank would be."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(self.device))  # this engine's device, not the current
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() > deadline:
+            warnings.warn(
+                f"{self.device} is still busy {seconds:.0f} s after close() (a collective "
+                "waiting for a rank that died?); its memory is returned when this process "
+                "exits",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        time.sleep(0.001)
+    return True
+
+# %% ../../notebooks/09_model_runner.ipynb #ec2fb850
+@patch
+def _tensor(self: ModelRunner, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A flat list of ints as a tensor on the runner's device (pinned, non-blocking on GPU).
+
+    Through array + frombuffer: about three times faster than torch.tensor on a long list."""
+    t = (
+        torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
+        if values
+        else torch.empty(0, dtype=dtype)
+    )
+    if self.device.type == "cuda":
+        return t.pin_memory().to(self.device, non_blocking=True)
+    return t
+
+
+@patch
+def _block_tables(self: ModelRunner, seqs: list[Sequence]) -> torch.Tensor:
+    """Block tables padded with -1 to the longest: [num_seqs, max_blocks]."""
+    lengths = [len(seq.block_table) for seq in seqs]
+    flat = [block for seq in seqs for block in seq.block_table]
+    table = torch.full((len(seqs), max(lengths)), -1, dtype=torch.int32)
+    filled = torch.arange(table.shape[1]) < torch.tensor(lengths)[:, None]
+    table[filled] = torch.tensor(flat, dtype=torch.int32)
+    if self.device.type == "cuda":
+        return table.pin_memory().to(self.device, non_blocking=True)
+    return table
+
+# %% ../../notebooks/09_model_runner.ipynb #2f8d4e61
+@patch
+def prepare_prefill(self: ModelRunner, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack the scheduled chunks of a prefill step; publish its attention layout."""
+    input_ids, positions, slot_mapping = [], [], []
+    cu_seqlens_q, cu_seqlens_k = [0], [0]
+    max_seqlen_q = max_seqlen_k = 0
+    for seq in seqs:
+        start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+        # a decode row: its newest token
+        input_ids += seq[start:end] if seq.is_prefill else [seq.last_token]
+        positions += range(start, end)
+        cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+        cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+        max_seqlen_q, max_seqlen_k = max(max_seqlen_q, end - start), max(max_seqlen_k, end)
+        if seq.block_table:
+            for pos_block in range(start // self.block_size, (end - 1) // self.block_size + 1):
+                base = seq.block_table[pos_block] * self.block_size
+                lo = max(start, pos_block * self.block_size) - pos_block * self.block_size
+                hi = min(end, (pos_block + 1) * self.block_size) - pos_block * self.block_size
+                slot_mapping += range(base + lo, base + hi)
+        else:
+            slot_mapping += [-1] * (end - start)
+    has_cached_keys = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+    cu_q = self._tensor(cu_seqlens_q, torch.int32)
+    cu_k = self._tensor(cu_seqlens_k, torch.int32)
+    tables = self._block_tables(seqs) if has_cached_keys else None
+    parts = (  # a mixed step's two parts, for a backend that attends them apart (below)
+        self._split_mixed(seqs, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, tables)
+        if self.split_mixed
+        else {}
+    )
+    self.step.set(
+        is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, slot_mapping=self._tensor(slot_mapping, torch.int32),
+        block_tables=tables, **parts,
+    )
+    # [N], [N]
+    return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
+
+# %% ../../notebooks/09_model_runner.ipynb #6a3c9d17
+@patch
+def pack_decode(self: ModelRunner, seqs: list[Sequence]) -> torch.Tensor:
+    """A decode step's rows on the device, [B, 4 + max_blocks] int64: token, position, slot,
+    context length, block table (padded with -1); one host-to-device copy."""
+    b, width = self.block_size, max(len(seq.block_table) for seq in seqs)
+    flat: list[int] = []  # row by row
+    for seq in seqs:
+        n, table = seq.num_tokens, seq.block_table
+        flat += (seq.last_token, n - 1, table[-1] * b + (n - 1) % b, n)
+        flat += table
+        if len(table) < width:
+            flat += [-1] * (width - len(table))
+    return self._tensor(flat, torch.int64).view(len(seqs), 4 + width)
+
+
+@patch
+def prepare_decode(self: ModelRunner, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack one new token per sequence; publish slots, context lengths and block tables."""
+    packed = self.pack_decode(seqs)
+    self.step.set(
+        is_prefill=False, slot_mapping=packed[:, 2].contiguous(),
+        max_seqlen_k=max(seq.num_tokens for seq in seqs),
+        context_lens=packed[:, 3].to(torch.int32), block_tables=packed[:, 4:].to(torch.int32),
+    )
+    return packed[:, 0].contiguous(), packed[:, 1].contiguous()  # input_ids [B], positions [B]
+
+# %% ../../notebooks/09_model_runner.ipynb #3d7a1c85
+@patch
+def prepare_sample(self: ModelRunner, seqs: list[Sequence]) -> SamplingBatch:
+    """Each sequence's sampling settings; a row samples the token at index num_tokens of its
+    sequence. The same requests as the last step, none seeded, reuse its tensors."""
+    params = [seq.sampling_params for seq in seqs]
+    last_params, last = self.last_sample
+    if (
+        last is not None and not last.any_seeded and len(params) == len(last_params)
+        and all(a is b for a, b in zip(params, last_params))  # frozen: same object, same values
+    ):
+        return last
+    batch = SamplingBatch.from_params(
+        params, [seq.num_tokens for seq in seqs], device=self.device, check=False
+    )
+    self.last_sample = (params, batch)
+    return batch
+
+# %% ../../notebooks/09_model_runner.ipynb #7c2e5d98
+@patch
+def _split_mixed(
+    self: ModelRunner, seqs: list[Sequence], cu_seqlens_q: list[int], cu_seqlens_k: list[int],
+    cu_q: torch.Tensor, cu_k: torch.Tensor, tables: torch.Tensor | None,
+) -> dict:
+    """A mixed step's leading decode rows and its prompt rows as two contexts, for a backend
+    that attends them apart (section 08.1); {} for a step that is not mixed."""
+    d = 0
+    while d < len(seqs) and not seqs[d].is_prefill:
+        d += 1
+    if not d or d == len(seqs):
+        return {}
+    q_lens = [b - a for a, b in zip(cu_seqlens_q[d:], cu_seqlens_q[d + 1:])]
+    k_lens = [b - a for a, b in zip(cu_seqlens_k[d:], cu_seqlens_k[d + 1:])]
+    prompt_cached = cu_seqlens_k[-1] - cu_seqlens_k[d] > cu_seqlens_q[-1] - cu_seqlens_q[d]
+    # the decode rows' tables as wide as the decode graphs' (chapter 11): the kernel variants
+    # they compiled at start-up serve these rows too, and none is compiled mid-run
+    pad = max(0, self.decode_table_width - tables.shape[1])
+    decode_tables = torch.nn.functional.pad(tables[:d], (0, pad), value=-1)  # [d, width]
+    decode = Context(
+        max_seqlen_k=max(seq.num_tokens for seq in seqs[:d]),
+        context_lens=cu_k[: d + 1].diff(), block_tables=decode_tables,
+    )
+    prompt = Context(
+        is_prefill=True, cu_seqlens_q=cu_q[d:] - cu_q[d], cu_seqlens_k=cu_k[d:] - cu_k[d],
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
+        block_tables=tables[d:] if prompt_cached else None,
+    )
+    return {"decode_rows": decode, "prompt_rows": prompt}
 
 # %% ../../notebooks/09_model_runner.ipynb #acd73778
-class _RunnerStep(_RunnerPacking):
-    """One step's work: the forward pass, sampling, the tokens' copy to the host."""
-
-    @torch.inference_mode()
-    def _step(
-        self, seqs: list[Sequence], is_prefill: bool, previous: torch.Tensor | None,
-        source_rows: list[int] | None,
-    ) -> LaunchedStep:
-        """Pack, forward, logits, sample; start copying the tokens to the host."""
-        taken = None  # [D]: sampled on the device by the step in flight, never copied to the host
-        if previous is not None and source_rows:
-            taken = (
-                previous
-                if len(source_rows) == len(previous)
-                else previous[self._tensor(source_rows, torch.int64)]
-            )
-        if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
-            # the graph unpacks the rows itself (chapter 11): one copy in, one launch
-            # [B, 4 + max_blocks]
-            packed = self.pack_decode(seqs) if self.one_copy_inputs else self.unpacked_rows(seqs)
-            batch = self.prepare_sample(seqs)
-            hidden = self.graphs.replay(
-                packed, max(seq.num_tokens for seq in seqs), input_ids=taken
-            )  # [num_seqs, hidden]
-        else:
-            input_ids, positions = (
-                self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-            )
-            if taken is not None and is_prefill:  # a mixed step: its decode rows come first
-                input_ids[: len(taken)] = taken
-            elif taken is not None:
-                input_ids = taken
-            batch = self.prepare_sample(seqs)
-            hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
+@patch
+@torch.inference_mode()
+def _step(
+    self: ModelRunner, seqs: list[Sequence], is_prefill: bool, previous: torch.Tensor | None,
+    source_rows: list[int] | None,
+) -> LaunchedStep:
+    """Pack, forward, logits, sample; start copying the tokens to the host."""
+    taken = self._taken(previous, source_rows)  # [D], or None
+    with compile_stance(self.config.optimizations.torch_compile):
+        hidden, batch = self._forward(seqs, is_prefill, taken)  # [num_seqs or tokens, hidden]
         logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] (on rank 0 of several)
         token_ids = self._sample(logits, batch, len(seqs))  # [num_seqs] int64, on the device
-        if token_ids is None:  # a rank that samples nothing (tensor parallelism, chapter 14.1)
-            return LaunchedStep(None, None, None)
-        if self.device.type != "cuda":
-            return LaunchedStep(token_ids, token_ids, None)
-        host_ids = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
-        host_ids.copy_(token_ids, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return LaunchedStep(token_ids, host_ids, ready)
+    return self._to_host(token_ids)
 
-    def _sample(
-        self, logits: torch.Tensor, batch: SamplingBatch, num_seqs: int
-    ) -> torch.Tensor | None:
-        """One token per row: [num_seqs] int64 on the device."""
-        return self.sampler(logits, batch)
 
+@patch
+def _taken(
+    self: ModelRunner, previous: torch.Tensor | None, source_rows: list[int] | None
+) -> torch.Tensor | None:
+    """The decode rows' input tokens, [D]: sampled on the device by the step in flight, never
+    copied to the host; None for a step that is not planned ahead."""
+    if previous is None or not source_rows:
+        return None
+    if len(source_rows) == len(previous):
+        return previous
+    return previous[self._tensor(source_rows, torch.int64)]
+
+# %% ../../notebooks/09_model_runner.ipynb #0f6b3e27
+@patch
+def _forward(
+    self: ModelRunner, seqs: list[Sequence], is_prefill: bool, taken: torch.Tensor | None
+) -> tuple[torch.Tensor, SamplingBatch]:
+    """The step's hidden states, from a CUDA graph or the eager model, and its sampling settings."""
+    if not is_prefill and self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+        # the graph unpacks the rows itself (chapter 11): one copy in, one launch
+        packed = self.pack_decode(seqs)  # [B, 4 + max_blocks]
+        batch = self.prepare_sample(seqs)
+        hidden = self.graphs.replay(
+            packed, max(seq.num_tokens for seq in seqs), input_ids=taken
+        )  # [num_seqs, hidden]
+        return hidden, batch
+    input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+    if taken is not None and is_prefill:  # a mixed step: its decode rows come first
+        input_ids[: len(taken)] = taken
+    elif taken is not None:
+        input_ids = taken
+    batch = self.prepare_sample(seqs)
+    return self.model(input_ids, positions), batch  # [num_tokens, hidden]
+
+
+@patch
+def _sample(
+    self: ModelRunner, logits: torch.Tensor, batch: SamplingBatch, num_seqs: int
+) -> torch.Tensor | None:
+    """One token per row: [num_seqs] int64 on the device."""
+    return self.sampler(logits, batch)
+
+
+@patch
+def _to_host(self: ModelRunner, token_ids: torch.Tensor | None) -> LaunchedStep:
+    """The launched step: its tokens, and their copy into pinned host memory under way."""
+    if token_ids is None:  # a rank that samples nothing (tensor parallelism, chapter 14.1)
+        return LaunchedStep(None, None, None)
+    if self.device.type != "cuda":
+        return LaunchedStep(token_ids, token_ids, None)
+    host_ids = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
+    host_ids.copy_(token_ids, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return LaunchedStep(token_ids, host_ids, ready)
 
 # %% ../../notebooks/09_model_runner.ipynb #5d3d1d94
-class ModelRunner(_RunnerStep):
-    """One rank's model, KV pool and sampler: turns a scheduled batch into one sampled token per
-    sequence."""
+@patch
+@torch.inference_mode()
+def launch(
+    self: ModelRunner, seqs: list[Sequence], is_prefill: bool, *,
+    after: LaunchedStep | None = None, source_rows: list[int] | None = None,
+) -> LaunchedStep:
+    """Queue one step (forward pass and sampling) without waiting for its tokens.
 
-    @torch.inference_mode()
-    def launch(
-        self, seqs: list[Sequence], is_prefill: bool, *, after: LaunchedStep | None = None,
-        source_rows: list[int] | None = None,
-    ) -> LaunchedStep:
-        """Queue one step (forward pass and sampling) without waiting for its tokens.
+    With `after`, a step planned ahead: the input token of its i-th decode row (decode rows
+    come first) is row source_rows[i] of that step's output."""
+    self._check_launch(seqs, is_prefill, after, source_rows)
+    return self._launch(seqs, is_prefill, after, source_rows)
 
-        With `after`, a step planned ahead: the input token of its i-th decode row (decode rows
-        come first) is row source_rows[i] of that step's output."""
-        self._check_launch(seqs, is_prefill, after, source_rows)
-        return self._launch(seqs, is_prefill, after, source_rows)
 
-    def _check_launch(
-        self, seqs: list[Sequence], is_prefill: bool, after: LaunchedStep | None,
-        source_rows: list[int] | None,
-    ) -> None:
-        """Refuse a step this runner cannot run, before any of it starts."""
-        if self.closed:
-            raise RuntimeError("this model runner is closed")
-        if any(seq.block_size != self.block_size for seq in seqs):
-            raise ValueError(
-                "a sequence's block_size differs from the engine's kvcache_block_size "
-                f"{self.block_size}"
-            )
-        if after is None:
-            return
-        num_decodes = len(seqs) if not is_prefill else sum(not seq.is_prefill for seq in seqs)
-        if source_rows is None or len(source_rows) != num_decodes or any(
-            seq.is_prefill for seq in seqs[:num_decodes]
-        ):
-            raise ValueError(
-                "a step that takes its input tokens from a step in flight needs its decode rows "
-                "first and one source row for each"
-            )
+@patch
+def _check_launch(
+    self: ModelRunner, seqs: list[Sequence], is_prefill: bool, after: LaunchedStep | None,
+    source_rows: list[int] | None,
+) -> None:
+    """Refuse a step this runner cannot run, before any of it starts."""
+    if self.closed:
+        raise RuntimeError("this model runner is closed")
+    if any(seq.block_size != self.block_size for seq in seqs):
+        raise ValueError(
+            "a sequence's block_size differs from the engine's kvcache_block_size "
+            f"{self.block_size}"
+        )
+    if after is None:
+        return
+    num_decodes = len(seqs) if not is_prefill else sum(not seq.is_prefill for seq in seqs)
+    if source_rows is None or len(source_rows) != num_decodes or any(
+        seq.is_prefill for seq in seqs[:num_decodes]
+    ):
+        raise ValueError(
+            "a step that takes its input tokens from a step in flight needs its decode rows "
+            "first and one source row for each"
+        )
 
-    def _launch(
-        self, seqs: list[Sequence], is_prefill: bool, after: LaunchedStep | None,
-        source_rows: list[int] | None,
-    ) -> LaunchedStep:
-        """Run a checked step; the step context is cleared whatever happens."""
-        try:
-            previous = None if after is None else after.token_ids
-            return self._step(seqs, is_prefill, previous, source_rows)
-        finally:
-            self.step.reset()
+# %% ../../notebooks/09_model_runner.ipynb #a8d2f4c1
+@patch
+def _launch(
+    self: ModelRunner, seqs: list[Sequence], is_prefill: bool, after: LaunchedStep | None,
+    source_rows: list[int] | None,
+) -> LaunchedStep:
+    """Run a checked step; the step context is cleared whatever happens."""
+    try:
+        previous = None if after is None else after.token_ids
+        return self._step(seqs, is_prefill, previous, source_rows)
+    finally:
+        self.step.reset()
 
-    def collect(self, step: LaunchedStep) -> list[int]:
-        """Wait for a launched step's token ids and return them (an empty list for a step without
-        tokens)."""
-        if step.host_ids is None:
-            return []
-        if step.ready is not None:
-            self._wait(step.ready)
-        return step.host_ids.tolist()
 
-    def _wait(self, ready: "torch.cuda.Event") -> None:
-        """Block until the device has passed `ready`."""
-        ready.synchronize()
+@patch
+def collect(self: ModelRunner, step: LaunchedStep) -> list[int]:
+    """Wait for a launched step's token ids and return them (an empty list for a step without
+    tokens)."""
+    if step.host_ids is None:
+        return []
+    if step.ready is not None:
+        self._wait(step.ready)
+    return step.host_ids.tolist()
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """One forward pass over the batch; one sampled token id per sequence."""
-        return self.collect(self.launch(seqs, is_prefill))
 
+@patch
+def _wait(self: ModelRunner, ready: "torch.cuda.Event") -> None:
+    """Block until the device has passed `ready`."""
+    ready.synchronize()
+
+
+@patch
+def run(self: ModelRunner, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    """One forward pass over the batch; one sampled token id per sequence."""
+    return self.collect(self.launch(seqs, is_prefill))
+
+# %% ../../notebooks/09_model_runner.ipynb #d9b1c6e8
+@patch
+def warmup(self: ModelRunner) -> int:
+    """Run the largest prefill the scheduler can produce; return its peak activation memory in
+    bytes."""
+    cfg = self.config
+    seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+    num_seqs = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(self.device)
+    before = torch.cuda.memory_allocated(self.device)
+    seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
+    for seq in seqs:
+        seq.num_scheduled_tokens = seq_len
+    self.run(seqs, is_prefill=True)
+    torch.cuda.synchronize(self.device)
+    peak = torch.cuda.max_memory_allocated(self.device) - before
+    torch.cuda.empty_cache()
+    return peak
+
+
+@patch
+def _capture_graphs(self: ModelRunner) -> CUDAGraphDecoder:
+    """The decode forward as CUDA graphs (chapter 11), reading this runner's step context."""
+    cfg = self.config
+    return CUDAGraphDecoder(
+        self.model, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+        block_size=self.block_size, hidden_size=cfg.hf_config.hidden_size,
+        dtype=self.dtype, device=self.device, step_context=self.step,
+    )
+
+
+@patch
+def keep_activation_memory(self: ModelRunner) -> None:
+    """Leave the worst step's activation memory cached (one free segment of the caching
+    allocator), so that the first large prefill takes it from there, not from the driver."""
+    torch.empty(self.peak_activation_bytes, dtype=torch.uint8, device=self.device)
