@@ -4,7 +4,9 @@ import random
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
+from transformers import PretrainedConfig
 
+from nanoengine.config import Config, Optimizations
 from nanoengine.engine.block_manager import check_invariants
 from nanoengine.engine.scheduler import Scheduler
 from nanoengine.engine.sequence import Sequence, SequenceStatus
@@ -208,13 +210,14 @@ def test_random_workloads_always_finish_with_invariants_intact(num_blocks, block
 
 
 def _step_like_the_engine(plan_ahead: bool, num_blocks: int, block_size: int, budget: int, max_num_seqs: int,
-                          requests: list, arrivals: dict, eos: tuple) -> tuple[list, list, list]:
+                          requests: list, arrivals: dict, eos: tuple,
+                          plan_prompt_steps: bool = True) -> tuple[list, list, list]:
     """Step a scheduler as the engine does, planning each step ahead when `plan_ahead` and the scheduler allow, with
     tokens that depend only on the request and the position. Returns the steps (phase, rows, preemptions), the
     completions and finish reasons; the requests of `arrivals[k]` join before step k is chosen
     (or when nothing runs)."""
     sch = Scheduler(num_blocks, block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                    max_model_len=64, eos_token_ids=eos)
+                    max_model_len=64, eos_token_ids=eos, plan_prompt_steps=plan_prompt_steps)
     seqs, index = [], {}
 
     def add(prompt, max_tokens):
@@ -291,6 +294,10 @@ def test_planned_steps_are_the_steps_schedule_would_take(num_blocks, block_size,
     ahead = _step_like_the_engine(True, num_blocks, block_size, budget, max_num_seqs, requests, arrivals, ())
     assert [s[:3] for s in ahead[0]] == sync[0]
     assert ahead[1:] == sync[1:]
+    decode_only = _step_like_the_engine(True, num_blocks, block_size, budget, max_num_seqs, requests, arrivals, (),
+                                        plan_prompt_steps=False)
+    assert [s[:3] for s in decode_only[0]] == sync[0] and decode_only[1:] == sync[1:]
+    assert not any(s[0] for s in decode_only[0] if len(s) == 4), "plan_prompt_steps=False plans decode steps only"
 
 
 @settings(max_examples=60, deadline=None)
@@ -309,3 +316,30 @@ def test_a_step_with_prompt_work_is_planned_ahead_after_a_prefill_and_a_mixed_st
     planned = [s for s in steps if len(s) == 4]
     assert any(prefill for prefill, *_ in planned), "a step with a prompt chunk was planned ahead"
     assert len(planned) == len(steps) - 1, "every step after the first was planned ahead"
+
+
+def _config(**kw) -> Config:
+    return Config("no-checkpoint", hf_config=PretrainedConfig(max_position_embeddings=128), device="cpu", **kw)
+
+
+def test_from_config_passes_the_limits_and_plan_prompt_steps():
+    config = _config(num_kvcache_blocks=12, kvcache_block_size=8, max_num_seqs=5, max_num_batched_tokens=32,
+                     enable_prefix_caching=False, optimizations=Optimizations(plan_prompt_steps=False))
+    sch = Scheduler.from_config(config, eos_token_ids=(1,))
+    assert type(sch) is Scheduler
+    assert (sch.block_manager.num_blocks, sch.block_size, sch.max_num_seqs, sch.max_num_batched_tokens,
+            sch.max_model_len, sch.eos_token_ids) == (12, 8, 5, 32, 128, {1})
+    assert not sch.block_manager.enable_prefix_caching and not sch.plan_prompt_steps
+    assert Scheduler.from_config(_config(num_kvcache_blocks=4)).plan_prompt_steps
+    with pytest.raises(ValueError, match="num_kvcache_blocks"):
+        Scheduler.from_config(_config())
+    with pytest.raises(TypeError, match="plan_prompt_steps"):
+        Scheduler(4, 4, plan_prompt_steps="no")
+
+
+def test_without_plan_prompt_steps_only_a_decode_step_after_a_decode_step_is_planned():
+    steps, _, _ = _step_like_the_engine(True, 24, 4, 8, 6, [([1, 2, 3], 3), (list(range(11)), 4)],
+                                        {2: [([3, 2], 3)]}, (), plan_prompt_steps=False)
+    planned = [s for s in steps if len(s) == 4]
+    assert planned and not any(prefill for prefill, *_ in planned)
+    assert len(planned) < len(steps) - 1, "steps next to prompt work are scheduled synchronously"

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
+from fastcore.basics import patch
 
 from .sequence import Sequence
 from ..utils.checks import check_bool, check_int, check_power_of_two
@@ -35,8 +36,8 @@ class Block:
     token_ids: list[int] = field(default_factory=list)
 
 
-class _BlockPool:
-    """The block records, the free list and the used set; taking one block and giving it back."""
+class BlockManager:
+    """Paged KV allocator with reference counts, chained-hash prefix caching and lazy eviction."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = check_power_of_two("block_size", block_size)
@@ -79,89 +80,93 @@ class _BlockPool:
         self.free_block_ids[block_id] = None
 
 # %% ../../notebooks/02_block_manager.ipynb #c8578378
-class _BlockTables(_BlockPool):
-    """A sequence's whole block table: matching a cached prefix, allocating, deallocating."""
-
-    def _match_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks that already hold the K/V of the leading full blocks (never the last block)."""
-        matched: list[int] = []
-        if not self.enable_prefix_caching:
-            return matched
-        h = NO_HASH
-        for i in range(seq.num_blocks - 1):
-            token_ids = seq.block(i)
-            h = hash_block(token_ids, h)
-            block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != token_ids:
-                break
-            matched.append(block_id)
+@patch
+def _match_prefix(self: BlockManager, seq: Sequence) -> list[int]:
+    """Blocks that already hold the K/V of the leading full blocks (never the last block)."""
+    matched: list[int] = []
+    if not self.enable_prefix_caching:
         return matched
+    h = NO_HASH
+    for i in range(seq.num_blocks - 1):
+        token_ids = seq.block(i)
+        h = hash_block(token_ids, h)
+        block_id = self.hash_to_block_id.get(h)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            break
+        matched.append(block_id)
+    return matched
 
-    def allocate(self, seq: Sequence) -> bool:
-        """Give a sequence its block table, reusing cached prefix blocks; False if it won't fit."""
-        if seq.block_table:
-            raise ValueError(f"sequence {seq.seq_id} already has blocks")
-        if seq.block_size != self.block_size:
-            raise ValueError(
-                f"sequence block_size {seq.block_size} != "
-                f"block manager block_size {self.block_size}"
-            )
-        matched = self._match_prefix(seq)
-        num_revived = sum(1 for block_id in matched if block_id in self.free_block_ids)
-        if self.num_free_blocks < num_revived + seq.num_blocks - len(matched):
-            return False
-        for block_id in matched:
-            if block_id in self.free_block_ids:
-                del self.free_block_ids[block_id]
-                self.used_block_ids.add(block_id)
-            self.blocks[block_id].ref_count += 1
-        seq.block_table = matched + [
-            self._take_block() for _ in range(seq.num_blocks - len(matched))
-        ]
-        seq.num_cached_tokens = len(matched) * self.block_size
-        self.num_hit_blocks += len(matched)
-        return True
 
-    def deallocate(self, seq: Sequence) -> None:
-        """Drop a sequence's claim on its blocks, tail first, so its prefix stays cached longest."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._release_block(block_id)
-        seq.block_table = []
-        seq.num_cached_tokens = 0
+@patch
+def allocate(self: BlockManager, seq: Sequence) -> bool:
+    """Give a sequence its block table, reusing cached prefix blocks; False if it won't fit."""
+    if seq.block_table:
+        raise ValueError(f"sequence {seq.seq_id} already has blocks")
+    if seq.block_size != self.block_size:
+        raise ValueError(
+            f"sequence block_size {seq.block_size} != "
+            f"block manager block_size {self.block_size}"
+        )
+    matched = self._match_prefix(seq)
+    num_revived = sum(1 for block_id in matched if block_id in self.free_block_ids)
+    if self.num_free_blocks < num_revived + seq.num_blocks - len(matched):
+        return False
+    for block_id in matched:
+        if block_id in self.free_block_ids:
+            del self.free_block_ids[block_id]
+            self.used_block_ids.add(block_id)
+        self.blocks[block_id].ref_count += 1
+    seq.block_table = matched + [
+        self._take_block() for _ in range(seq.num_blocks - len(matched))
+    ]
+    seq.num_cached_tokens = len(matched) * self.block_size
+    self.num_hit_blocks += len(matched)
+    return True
+
+
+@patch
+def deallocate(self: BlockManager, seq: Sequence) -> None:
+    """Drop a sequence's claim on its blocks, tail first, so its prefix stays cached longest."""
+    for block_id in reversed(seq.block_table):
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._release_block(block_id)
+    seq.block_table = []
+    seq.num_cached_tokens = 0
 
 # %% ../../notebooks/02_block_manager.ipynb #c1f4c612
-class BlockManager(_BlockTables):
-    """Paged KV allocator with reference counts, chained-hash prefix caching and lazy eviction."""
+@patch
+def can_append(self: BlockManager, seq: Sequence) -> bool:
+    """True when the sequence's newest token has (or can get) a block."""
+    num_tokens, num_held = seq.num_tokens, len(seq.block_table)
+    if num_held * self.block_size >= num_tokens:
+        return True  # most calls: the newest token's block is already there
+    return len(self.free_block_ids) >= -(-num_tokens // self.block_size) - num_held
 
-    def can_append(self, seq: Sequence) -> bool:
-        """True when the sequence's newest token has (or can get) a block."""
-        num_tokens, num_held = seq.num_tokens, len(seq.block_table)
-        if num_held * self.block_size >= num_tokens:
-            return True  # most calls: the newest token's block is already there
-        return len(self.free_block_ids) >= -(-num_tokens // self.block_size) - num_held
 
-    def may_append(self, seq: Sequence) -> None:
-        """Add a block when the sequence's newest token starts a new logical block."""
-        table = seq.block_table
-        while len(table) * self.block_size < seq.num_tokens:
-            table.append(self._take_block())
+@patch
+def may_append(self: BlockManager, seq: Sequence) -> None:
+    """Add a block when the sequence's newest token starts a new logical block."""
+    table = seq.block_table
+    while len(table) * self.block_size < seq.num_tokens:
+        table.append(self._take_block())
 
-    def hash_blocks(self, seq: Sequence) -> None:
-        """Publish the blocks this step's tokens completed, so later requests can reuse them."""
-        start = seq.num_cached_tokens // self.block_size
-        end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
-        if start == end or not self.enable_prefix_caching:
-            return  # most calls: a decode token that completed no block
-        h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else NO_HASH
-        for i in range(start, end):
-            block = self.blocks[seq.block_table[i]]
-            token_ids = seq.block(i)
-            h = hash_block(token_ids, h)
-            block.hash, block.token_ids = h, token_ids
-            self.hash_to_block_id[h] = block.block_id
+
+@patch
+def hash_blocks(self: BlockManager, seq: Sequence) -> None:
+    """Publish the blocks this step's tokens completed, so later requests can reuse them."""
+    start = seq.num_cached_tokens // self.block_size
+    end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
+    if start == end or not self.enable_prefix_caching:
+        return  # most calls: a decode token that completed no block
+    h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else NO_HASH
+    for i in range(start, end):
+        block = self.blocks[seq.block_table[i]]
+        token_ids = seq.block(i)
+        h = hash_block(token_ids, h)
+        block.hash, block.token_ids = h, token_ids
+        self.hash_to_block_id[h] = block.block_id
 
 # %% ../../notebooks/02_block_manager.ipynb #d1d61ccd
 def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:

@@ -7,6 +7,8 @@ __all__ = ['SequenceStatus', 'Sequence']
 from enum import Enum, auto
 from itertools import count
 
+from fastcore.basics import patch
+
 from ..sampling_params import SamplingParams
 
 
@@ -18,94 +20,7 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-class _SequenceTokens:
-    """Reading a sequence's tokens: its length, indexing, its prompt and its completion."""
-
-    __slots__ = ()
-
-    def __len__(self) -> int:
-        return self.num_tokens
-
-    def __getitem__(self, key):
-        return self.token_ids[key]
-
-    def __repr__(self) -> str:
-        return (
-            f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
-            f"prompt={self.num_prompt_tokens}, cached={self.num_cached_tokens}, "
-            f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})"
-        )
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-# %% ../../notebooks/01d_sequence.ipynb #70ca11fb
-class _SequenceBlocks(_SequenceTokens):
-    """Block arithmetic: how many logical blocks the tokens span, and the tokens of one."""
-
-    __slots__ = ()
-
-    @property
-    def num_blocks(self) -> int:
-        """Logical blocks spanned by the tokens so far: ceil(num_tokens / block_size)."""
-        return (self.num_tokens + self.block_size - 1) // self.block_size
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks completely covered by cached tokens."""
-        return self.num_cached_tokens // self.block_size
-
-    @property
-    def last_block_num_tokens(self) -> int:
-        """Tokens in the last logical block, from 1 to block_size."""
-        return self.num_tokens - (self.num_blocks - 1) * self.block_size
-
-    def block(self, i: int) -> list[int]:
-        """Token ids of logical block i (the last block may be partial)."""
-        if not 0 <= i < self.num_blocks:
-            raise IndexError(f"block {i} out of range for a sequence of {self.num_blocks} blocks")
-        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
-
-# %% ../../notebooks/01d_sequence.ipynb #6bf13ae3
-class _SequenceWire(_SequenceBlocks):
-    """The compact pickle a worker rank gets: counters, block table, only the tokens it needs."""
-
-    __slots__ = ()
-
-    def __getstate__(self):
-        payload = self.token_ids if self.is_prefill else self.last_token
-        return (
-            self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-            self.num_scheduled_tokens, self.block_size, self.block_table, payload,
-        )
-
-    def __setstate__(self, state):
-        (
-            self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-            self.num_scheduled_tokens, self.block_size, self.block_table, payload,
-        ) = state
-        self.is_prefill = isinstance(payload, list)
-        self.token_ids = payload if self.is_prefill else []
-        self.last_token = self.token_ids[-1] if self.is_prefill else payload
-        self.status = SequenceStatus.RUNNING
-        self.sampling_params = None
-        self.finish_reason = None
-
-# %% ../../notebooks/01d_sequence.ipynb #c789e4fd
-class Sequence(_SequenceWire):
+class Sequence:
     """One request: its tokens, the four counters, its block table and its sampling parameters."""
 
     __slots__ = (
@@ -142,3 +57,93 @@ class Sequence(_SequenceWire):
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
+
+# %% ../../notebooks/01d_sequence.ipynb #c789e4fd
+@patch
+def __len__(self: Sequence) -> int:
+    return self.num_tokens
+
+
+@patch
+def __getitem__(self: Sequence, key: int | slice) -> int | list[int]:
+    return self.token_ids[key]
+
+
+@patch
+def __repr__(self: Sequence) -> str:
+    return (
+        f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
+        f"prompt={self.num_prompt_tokens}, cached={self.num_cached_tokens}, "
+        f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})"
+    )
+
+
+@patch(as_prop=True)
+def is_finished(self: Sequence) -> bool:
+    return self.status == SequenceStatus.FINISHED
+
+
+@patch(as_prop=True)
+def num_completion_tokens(self: Sequence) -> int:
+    return self.num_tokens - self.num_prompt_tokens
+
+
+@patch(as_prop=True)
+def prompt_token_ids(self: Sequence) -> list[int]:
+    return self.token_ids[: self.num_prompt_tokens]
+
+
+@patch(as_prop=True)
+def completion_token_ids(self: Sequence) -> list[int]:
+    return self.token_ids[self.num_prompt_tokens :]
+
+# %% ../../notebooks/01d_sequence.ipynb #70ca11fb
+@patch(as_prop=True)
+def num_blocks(self: Sequence) -> int:
+    """Logical blocks spanned by the tokens so far: ceil(num_tokens / block_size)."""
+    return (self.num_tokens + self.block_size - 1) // self.block_size
+
+
+@patch(as_prop=True)
+def num_cached_blocks(self: Sequence) -> int:
+    """Blocks completely covered by cached tokens."""
+    return self.num_cached_tokens // self.block_size
+
+
+@patch(as_prop=True)
+def last_block_num_tokens(self: Sequence) -> int:
+    """Tokens in the last logical block, from 1 to block_size."""
+    return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+
+@patch
+def block(self: Sequence, i: int) -> list[int]:
+    """Token ids of logical block i (the last block may be partial)."""
+    if not 0 <= i < self.num_blocks:
+        raise IndexError(f"block {i} out of range for a sequence of {self.num_blocks} blocks")
+    return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+# %% ../../notebooks/01d_sequence.ipynb #6bf13ae3
+@patch
+def __getstate__(self: Sequence) -> tuple:
+    """The compact pickle a worker rank gets: counters, block table, only the tokens it needs."""
+    payload = self.token_ids if self.is_prefill else self.last_token
+    return (
+        self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+        self.num_scheduled_tokens, self.block_size, self.block_table, payload,
+    )
+
+
+@patch
+def __setstate__(self: Sequence, state: tuple) -> None:
+    """A worker's copy: running, with no sampling parameters; token ids only in prefill."""
+    (
+        self.seq_id, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+        self.num_scheduled_tokens, self.block_size, self.block_table, payload,
+    ) = state
+    self.is_prefill = isinstance(payload, list)
+    self.token_ids = payload if self.is_prefill else []
+    self.last_token = self.token_ids[-1] if self.is_prefill else payload
+    self.status = SequenceStatus.RUNNING
+    self.sampling_params = None
+    self.finish_reason = None
