@@ -231,11 +231,16 @@ def toc_files() -> list[str]:
     return [re.sub(r"\.(md|ipynb)$", "", f) for f in files]
 
 
+# Sphinx's smart quotes: what a reader sees for ' and " in a heading.
+SMART_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
+
+
 def plain(markdown: str) -> str:
-    """The text a reader sees for a markdown heading: no links, code ticks or emphasis marks."""
+    """The text a reader sees for a markdown heading: no links, code ticks or emphasis marks
+    (quotes compared as typed: see SMART_QUOTES)."""
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", markdown)
     text = text.replace("`", "").replace("**", "").replace("*", "")
-    return " ".join(text.split())
+    return " ".join(text.translate(SMART_QUOTES).split())
 
 
 def page_title(stem: str) -> str:
@@ -263,11 +268,12 @@ def check_page(page, name: str, titles: list[str], title: str) -> list[str]:
     """What is wrong with the page open in `page`: navigation, its heading, images, error output."""
     problems = []
     nav = page.eval_on_selector_all(".bd-sidebar-primary a", "els => els.map(a => a.textContent)")
-    nav = {" ".join(t.split()) for t in nav}
+    nav = {" ".join(t.translate(SMART_QUOTES).split()) for t in nav}
     missing = [t for t in titles if t not in nav]
     if missing:
         problems.append(f"{name}: the sidebar lacks the chapters {missing} (it has {sorted(nav)})")
-    h1 = " ".join(page.locator("article h1").first.inner_text().replace("#", "").split())
+    h1 = page.locator("article h1").first.inner_text().replace("#", "").translate(SMART_QUOTES)
+    h1 = " ".join(h1.split())
     if h1 != title:
         problems.append(f"{name}: the page heading is {h1!r}, expected {title!r}")
     broken = page.evaluate(

@@ -295,10 +295,17 @@ def find_num_roles(markdown: str) -> list[tuple[int, str]]:
             for m in NUM_ROLE.finditer(markdown)]
 
 
+def where(env, lineno: int) -> str:
+    """A source line as an author finds it (myst-nb numbers notebook lines cell * 10000 + line)."""
+    if str(env.doc2path(env.docname)).endswith(".ipynb") and lineno >= 10000:
+        return f"{env.docname} (cell {lineno // 10000}, line {lineno % 10000})"
+    return f"{env.docname}:{lineno}"
+
+
 def _fail(inliner, lineno: int, rawtext: str, message: str):
     env = inliner.document.settings.env
     env.nanoengine_num_errors = getattr(env, "nanoengine_num_errors", [])
-    env.nanoengine_num_errors.append((env.docname, lineno, message))
+    env.nanoengine_num_errors.append((env.docname, lineno, where(env, lineno), message))
     msg = inliner.reporter.error(message, line=lineno)
     return [inliner.problematic(rawtext, rawtext, msg)], [msg]
 
@@ -311,7 +318,7 @@ def num_role(name, rawtext, text, lineno, inliner, options=None, content=()):
     try:
         shown = render_num(text)
     except NumError as exc:
-        return _fail(inliner, lineno, rawtext, f"{{num}}`{text}` on page {env.docname}: {exc}")
+        return _fail(inliner, lineno, rawtext, f"{{num}}`{text}`: {exc}")
     return [nodes.inline(rawtext, shown, classes=["num"])], []
 
 
@@ -330,7 +337,7 @@ def fail_on_num_errors(app: Sphinx, env) -> None:
     errors = sorted(getattr(env, "nanoengine_num_errors", []))
     if errors:
         raise ExtensionError(f"{len(errors)} number(s) of the prose did not resolve:\n"
-                             + "\n".join(f"  {doc}:{line}: {msg}" for doc, line, msg in errors))
+                             + "\n".join(f"  {at}: {msg}" for _, _, at, msg in errors))
 
 
 # --- reading times -------------------------------------------------------------------------------
@@ -405,8 +412,7 @@ def reading_time_role(name, rawtext, text, lineno, inliner, options=None, conten
     here = Path(env.doc2path(env.docname))
     target = here if text.strip() in ("", ".") else (here.parent / text.strip()).resolve()
     if not target.is_file():
-        return _fail(inliner, lineno, rawtext, f"{{reading-time}}`{text}` on page {env.docname}: "
-                                                f"no page {target}")
+        return _fail(inliner, lineno, rawtext, f"{{reading-time}}`{text}`: no page {target}")
     env.note_dependency(str(target))
     minutes = reading_minutes(target)
     return [nodes.inline(rawtext, f"about {minutes} minutes", classes=["reading-time"])], []
