@@ -98,25 +98,28 @@ def test_async_graph_decode_with_short_and_long_contexts_equals_synchronous_eage
     assert sum(r.planned_ahead for r in fast.trace) > 30
 
 
-def test_decode_inputs_copied_once_or_column_by_column_give_the_same_tokens(ckpt, monkeypatch):
-    """Graphs fed pack_decode's rows and reused sampling tensors (the default) against the ladder's rung without
-    both (NANOENGINE_ONE_COPY=0): the same tokens, greedy and sampled at a temperature from the same seeds."""
+def test_decode_steps_copy_their_inputs_once_and_reuse_their_sampling_tensors(ckpt, monkeypatch):
+    """The decode path the graphs serve: replay gets pack_decode's rows (one int64 tensor, one copy in), a step with
+    the same requests as the step before gets that step's SamplingBatch again, and sampling at a temperature from the
+    same seeds gives the same tokens twice."""
     prompts = prompts_with_shared_prefix(10, seed=3)
-    kwargs = dict(kvcache_block_size=256, num_kvcache_blocks=32, max_num_seqs=13, max_model_len=1024,
-                  max_num_batched_tokens=512)
+    llm = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=32, max_num_seqs=13, max_model_len=1024,
+              max_num_batched_tokens=512)
+    runner = llm.model_runner
+    assert runner.graphs is not None
+    fed, batches = [], []
+    replay, prepare_sample = runner.graphs.replay, runner.prepare_sample
+    monkeypatch.setattr(runner.graphs, "replay", lambda packed, *a, **k: fed.append(packed) or replay(packed, *a, **k))
+    monkeypatch.setattr(runner, "prepare_sample", lambda seqs: batches.append(prepare_sample(seqs)) or batches[-1])
     runs = []
-    for switch in ("1", "0"):
-        monkeypatch.setenv("NANOENGINE_ONE_COPY", switch)
-        llm = LLM(ckpt, **kwargs)
-        assert llm.model_runner.one_copy_inputs == (switch == "1") and llm.model_runner.graphs is not None
-        outs = []
-        for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                       SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)):
-            torch.manual_seed(0)  # the sampler's per-step seeds come from torch's CPU generator
-            outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
-        llm.close()
-        runs.append(outs)
+    for _ in range(2):
+        torch.manual_seed(0)  # the sampler's per-step seeds come from torch's CPU generator
+        params = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)
+        runs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+    llm.close()
     assert runs[0] == runs[1]
+    assert fed and all(p.dtype == torch.int64 and p.dim() == 2 and p.shape[1] >= 5 for p in fed)
+    assert sum(a is b for a, b in zip(batches, batches[1:])) > 20, "decode steps reuse the last step's tensors"
 
 
 def test_flash_decode_with_one_split_equals_the_library_split():
@@ -369,6 +372,20 @@ def test_the_worst_steps_activation_memory_stays_cached_and_the_first_large_pref
         llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
         added = torch.cuda.memory_stats()["segment.large_pool.allocated"] - before
         assert added == 0, f"{added} new large segment(s) in the first large prefill (peak {peak / MIB:.0f} MiB)"
+
+
+def test_keep_activation_memory_is_left_out_when_the_configuration_says_so(ckpt, monkeypatch):
+    """Optimizations(keep_activation_memory=False) reaches the runner: start-up keeps no activation memory cached."""
+    from nanoengine.config import Optimizations
+    from nanoengine.engine.model_runner import ModelRunner
+    kept = []
+    monkeypatch.setattr(ModelRunner, "keep_activation_memory", lambda self: kept.append(self.peak_activation_bytes))
+    kwargs = dict(kvcache_block_size=256, num_kvcache_blocks=8, max_model_len=1024, enforce_eager=True)
+    with LLM(ckpt, **kwargs):
+        pass
+    with LLM(ckpt, optimizations=Optimizations(keep_activation_memory=False), **kwargs):
+        pass
+    assert len(kept) == 1 and kept[0] > 0
 
 
 def test_gpu_memory_utilization_is_each_engines_share(ckpt):
