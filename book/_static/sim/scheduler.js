@@ -166,7 +166,7 @@
       var name = NAMES[i];
       var prompt = positiveInt("request " + name + "'s prompt length", r[0]);
       var maxTokens = positiveInt("request " + name + "'s max_tokens", r[1]);
-      // SchedulerBase.check_request: the last sampled token never needs a slot in the cache
+      // Scheduler.check_request: the last sampled token never needs a slot in the cache
       var needed = ceilDiv(prompt + maxTokens - 1, blockSize);
       if (needed > numBlocks) {
         throw new Error("request " + name + " needs up to " + needed + " KV blocks (" + (prompt + maxTokens - 1) +
