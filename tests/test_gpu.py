@@ -249,8 +249,9 @@ def test_prologue_kernels_round_as_eager_code_does_and_silu_equals_the_compiled_
 
 
 def test_the_prologue_kernels_serve_prompt_and_decode_steps_unless_switched_off(ckpt, monkeypatch):
-    """Graphs, async scheduling and the unfused prologues' kernels vs transformers; NANOENGINE_PROLOGUE_KERNELS=0."""
+    """Graphs, async scheduling and the unfused prologues' kernels vs transformers; prologue_kernels=False."""
     import nanoengine.kernels.fused as fused
+    from nanoengine.config import Optimizations
     rows = []
     real = fused.add_rms_norm_triton
     monkeypatch.setattr(fused, "add_rms_norm_triton", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
@@ -258,8 +259,8 @@ def test_the_prologue_kernels_serve_prompt_and_decode_steps_unless_switched_off(
     # prompt steps call it eagerly, decode steps when their graphs are captured (or run eagerly)
     assert max(rows) > 100 and any(n <= 16 for n in rows), rows
     rows.clear()
-    monkeypatch.setenv("NANOENGINE_PROLOGUE_KERNELS", "0")
-    llm = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=8, max_model_len=512)
+    llm = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=8, max_model_len=512,
+              optimizations=Optimizations(prologue_kernels=False))
     llm.generate(prompts_with_shared_prefix(4), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     llm.close()
     assert rows == []

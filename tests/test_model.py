@@ -95,6 +95,24 @@ def test_packing_is_invisible(tiny, prompts):
     assert (alone - merged).abs().max() > 0.1             # ignoring the boundaries is visible
 
 
+def test_optimizations_reach_the_modules_that_choose_a_path(tiny, prompts):
+    """Each decoder layer knows prologue_kernels and each attention block fused_rope_store from construction; on a CPU
+    neither changes a logit, and the CPU tuning measures nothing."""
+    from nanoengine.config import Optimizations
+    from nanoengine.kernels.fused import fusion_pairs, tune_kernels
+    off = Optimizations(prologue_kernels=False, fused_rope_store=False)
+    plain = Qwen3ForCausalLM.from_pretrained(tiny, optimizations=off)
+    assert all(not layer.prologue_kernels and not layer.self_attn.fused_rope_store for layer in plain.model.layers)
+    model = Qwen3ForCausalLM.from_pretrained(tiny)
+    assert all(layer.prologue_kernels and layer.self_attn.fused_rope_store for layer in model.model.layers)
+    assert torch.equal(our_logits(plain, prompts)[0], our_logits(model, prompts)[0])
+    built = Qwen3ForCausalLM.build(qwen3_config("tiny"), optimizations=off)
+    assert not built.model.layers[-1].prologue_kernels
+    assert len(model.linear_weights()) == 4 * len(model.model.layers)
+    assert [prologue for prologue, _, _ in fusion_pairs(model)[:3]] == ["norm", "add_norm", "silu"]
+    assert tune_kernels(model, Optimizations()) == {"gemv": {}, "fusions": {}}
+
+
 # ---------------------------------------------------------------- attention
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_attention_matches_sdpa(dtype, tol):

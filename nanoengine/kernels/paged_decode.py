@@ -233,7 +233,9 @@ def paged_decode_unavailable_reason(
     return None
 
 # %% ../../notebooks/08a_paged_decode.ipynb #tmp0shim
-_MOVED = ("TritonDecodeMixin", "FlashTritonBackend", "TorchTritonBackend", "select_attention_backend")
+_MOVED = (
+    "TritonDecodeMixin", "FlashTritonBackend", "TorchTritonBackend", "select_attention_backend",
+)
 
 
 def __getattr__(name: str):

@@ -5,8 +5,10 @@ __all__ = ['rope_settings', 'qk_norm_rope', 'Qwen3Attention', 'Qwen3MLP', 'Qwen3
 
 # %% ../../notebooks/05_qwen3.ipynb #d32b0b64
 import torch
+from fastcore.basics import patch
 from torch import nn
 
+from ..config import Optimizations
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -14,7 +16,7 @@ from ..kernels.fused import norm_linear, silu_linear
 from ..kernels.rope_store import norm_rope_store
 from ..layers.layernorm import RMSNorm, rms_norm
 from nanoengine.layers.linear import (
-    MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+    LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
 )
 from ..layers.rotary_embedding import apply_rotary_emb, get_rope
 from ..utils.compile import maybe_compile
@@ -53,7 +55,7 @@ class Qwen3Attention(nn.Module):
         self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int | None = None,
         max_position: int = 40_960, rms_norm_eps: float = 1e-6, qkv_bias: bool = False,
         o_bias: bool = False, qk_norm: bool = True, rope_theta: float = 1_000_000.0,
-        rope_scaling: dict | None = None,
+        rope_scaling: dict | None = None, fused_rope_store: bool = True,
     ) -> None:
         super().__init__()
         for name, heads in (
@@ -77,6 +79,7 @@ class Qwen3Attention(nn.Module):
         )
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
         self.qk_norm = qk_norm
+        self.fused_rope_store = fused_rope_store  # section 11.3's kernel where it can serve
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=rms_norm_eps)
@@ -85,27 +88,30 @@ class Qwen3Attention(nn.Module):
         """positions [N], hidden_states [N, hidden] -> [N, hidden]."""
         return self.attend(positions, self.qkv_proj(hidden_states))
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """Everything after the QKV projection: qkv [N, (Hq + 2 Hk) D] -> [N, hidden]."""
-        fused = norm_rope_store(self, positions, qkv)  # section 11.3: one kernel on a GPU
-        if fused is not None:
-            o = self.attn(*fused, kv_stored=True)  # [N, Hq, D]
-            return self.o_proj(o.flatten(1, -1))  # [N, hidden]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [N, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hk, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hk, D]
-        if self.qk_norm and q.is_cuda:
-            q, k = qk_norm_rope(
-                q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                self.rotary_emb.cos_sin_cache, positions,
-            )
-        else:
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)  # [N, Hq, D]
+# %% ../../notebooks/05_qwen3.ipynb #qwa00001
+@patch
+def attend(self: Qwen3Attention, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    """Everything after the QKV projection: qkv [N, (Hq + 2 Hk) D] -> [N, hidden]."""
+    # section 11.3: one kernel on a GPU
+    fused = norm_rope_store(self, positions, qkv, fused_rope_store=self.fused_rope_store)
+    if fused is not None:
+        o = self.attn(*fused, kv_stored=True)  # [N, Hq, D]
         return self.o_proj(o.flatten(1, -1))  # [N, hidden]
+    q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    q = q.view(-1, self.num_heads, self.head_dim)  # [N, Hq, D]
+    k = k.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hk, D]
+    v = v.view(-1, self.num_kv_heads, self.head_dim)  # [N, Hk, D]
+    if self.qk_norm and q.is_cuda:
+        q, k = qk_norm_rope(
+            q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            self.rotary_emb.cos_sin_cache, positions,
+        )
+    else:
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+    o = self.attn(q, k, v)  # [N, Hq, D]
+    return self.o_proj(o.flatten(1, -1))  # [N, hidden]
 
 # %% ../../notebooks/05_qwen3.ipynb #6e261e47
 class Qwen3MLP(nn.Module):
@@ -129,7 +135,9 @@ class Qwen3MLP(nn.Module):
 class Qwen3DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks whose residual adds are fused into the following norm."""
 
-    def __init__(self, config) -> None:
+    def __init__(
+        self, config, *, prologue_kernels: bool = True, fused_rope_store: bool = True
+    ) -> None:
         super().__init__()
         qwen2 = config.model_type == "qwen2"
         bias = True if qwen2 else bool(getattr(config, "attention_bias", False))
@@ -139,33 +147,42 @@ class Qwen3DecoderLayer(nn.Module):
             head_dim=getattr(config, "head_dim", None), max_position=config.max_position_embeddings,
             rms_norm_eps=config.rms_norm_eps, qkv_bias=bias, o_bias=bias and not qwen2,
             qk_norm=config.model_type == "qwen3", rope_theta=rope_theta, rope_scaling=rope_scaling,
+            fused_rope_store=fused_rope_store,
         )
         self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.prologue_kernels = prologue_kernels  # section 11.2's kernels for unfused prologues
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in, (MLP output not yet added, residual) out; all [N, hidden]."""
-        attn, mlp = self.self_attn, self.mlp
+        attn, mlp, kernels = self.self_attn, self.mlp, self.prologue_kernels
         # each norm and the projection after it: one kernel where section 11.2 measured that faster
-        qkv, residual = norm_linear(hidden_states, residual, self.input_layernorm, attn.qkv_proj)
+        qkv, residual = norm_linear(
+            hidden_states, residual, self.input_layernorm, attn.qkv_proj, prologue_kernels=kernels
+        )
         hidden_states = attn.attend(positions, qkv)
         gate_up, residual = norm_linear(
-            hidden_states, residual, self.post_attention_layernorm, mlp.gate_up_proj
+            hidden_states, residual, self.post_attention_layernorm, mlp.gate_up_proj,
+            prologue_kernels=kernels,
         )
-        return silu_linear(gate_up, mlp.act_fn, mlp.down_proj), residual
+        return silu_linear(gate_up, mlp.act_fn, mlp.down_proj, prologue_kernels=kernels), residual
 
 # %% ../../notebooks/05_qwen3.ipynb #98719b46
 class Qwen3Model(nn.Module):
     """Token embedding, decoder layers, final norm."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, optimizations: Optimizations = Optimizations()) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers)
+            Qwen3DecoderLayer(
+                config, prologue_kernels=optimizations.prologue_kernels,
+                fused_rope_store=optimizations.fused_rope_store,
+            )
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -177,7 +194,7 @@ class Qwen3Model(nn.Module):
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
-
+# %% ../../notebooks/05_qwen3.ipynb #qwm00001
 class Qwen3ForCausalLM(nn.Module):
     """Qwen3 (and Qwen2) for the engine: `forward` to hidden states, `compute_logits` separately."""
 
@@ -187,8 +204,17 @@ class Qwen3ForCausalLM(nn.Module):
     }
     model_types = ("qwen3", "qwen2")  # the config.model_type values this class computes right
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, optimizations: Optimizations = Optimizations()) -> None:
         super().__init__()
+        self.check_config(config)
+        self.config = config
+        self.model = Qwen3Model(config, optimizations)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def check_config(self, config) -> None:
+        """ValueError for a config this class would compute wrongly."""
         if config.model_type not in self.model_types:
             served = " or ".join(map(repr, self.model_types))
             raise ValueError(
@@ -200,11 +226,6 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError(
                 "use_sliding_window=True is not supported (every layer uses full attention here)"
             )
-        self.config = config
-        self.model = Qwen3Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [N], positions [N] -> hidden states [N, hidden]."""
@@ -214,34 +235,43 @@ class Qwen3ForCausalLM(nn.Module):
         """Hidden states -> logits [rows, vocab]; in prefill only each sequence's last token."""
         return self.lm_head(hidden_states)
 
-    @classmethod
-    def build(
-        cls, config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-    ) -> "Qwen3ForCausalLM":
-        """The module tree of `config`, its parameters in `dtype` on `device`, not yet loaded."""
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = cls(config)
-        finally:
-            torch.set_default_dtype(previous)
-        return model.to(device)  # get_rope's shared table may have been built elsewhere
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weight of every linear layer, in module order (section 11.1 times them)."""
+        return [m.weight for m in self.modules() if isinstance(m, LinearBase)]
 
-    @classmethod
-    def from_pretrained(
-        cls, path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
-    ) -> "Qwen3ForCausalLM":
-        """Build the model of a checkpoint directory in `dtype` (default: the checkpoint's) on
-        `device`, and load it."""
-        from transformers import AutoConfig
+# %% ../../notebooks/05_qwen3.ipynb #qwm00002
+@patch(cls_method=True)
+def build(
+    cls: Qwen3ForCausalLM, config, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", optimizations: Optimizations = Optimizations(),
+) -> Qwen3ForCausalLM:
+    """The module tree of `config`, its parameters in `dtype` on `device`, not yet loaded."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config, optimizations)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(device)  # get_rope's shared table may have been built elsewhere
 
-        from nanoengine.config import DTYPES
-        from nanoengine.models.loader import load_model, resolve_model_path
 
-        path = resolve_model_path(path)
-        config = AutoConfig.from_pretrained(path)
-        dtype = dtype or getattr(config, "dtype", None) or torch.float32
-        model = cls.build(config, DTYPES[dtype] if isinstance(dtype, str) else dtype, device)
-        load_model(model, path)
-        return model.eval()
+@patch(cls_method=True)
+def from_pretrained(
+    cls: Qwen3ForCausalLM, path, *, dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu", optimizations: Optimizations = Optimizations(),
+) -> Qwen3ForCausalLM:
+    """Build the model of a checkpoint directory in `dtype` (default: the checkpoint's) on
+    `device`, and load it."""
+    from transformers import AutoConfig
+
+    from nanoengine.config import DTYPES
+    from nanoengine.models.loader import load_model, resolve_model_path
+
+    path = resolve_model_path(path)
+    config = AutoConfig.from_pretrained(path)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    model = cls.build(config, dtype, device, optimizations)
+    load_model(model, path)
+    return model.eval()

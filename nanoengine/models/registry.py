@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..config import DTYPES, load_hf_config
+from ..config import DTYPES, Optimizations, load_hf_config
 from .llama import LlamaForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 from .gguf import find_gguf, gguf_config, is_gguf, load_gguf_model
@@ -73,14 +73,15 @@ def load_weights(model: nn.Module, path: Path) -> None:
 
 def load_pretrained(
     model: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
-    device: str | torch.device = "cpu",
+    device: str | torch.device = "cpu", optimizations: Optimizations = Optimizations(),
 ) -> nn.Module:
-    """Any checkpoint the registry serves, built in `dtype` (default: float32) on `device`,
-    loaded, in eval mode."""
+    """Any checkpoint the registry serves, built in `dtype` (default: float32) on `device` with
+    `optimizations`, loaded, in eval mode."""
     path = resolve_checkpoint(model)
     config = checkpoint_config(path)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype or torch.float32
-    built = model_class(config).build(config, dtype, device)  # chapter 05's build: no weights yet
+    # chapter 05's build: no weights yet
+    built = model_class(config).build(config, dtype, device, optimizations)
     load_weights(built, path)
     return built.eval()
 
