@@ -231,17 +231,3 @@ def paged_decode_unavailable_reason(
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] < 8:
         return "bfloat16 matrix multiplies need compute capability 8.0 or later"
     return None
-
-# %% ../../notebooks/08a_paged_decode.ipynb #tmp0shim
-_MOVED = (
-    "TritonDecodeMixin", "FlashTritonBackend", "TorchTritonBackend", "select_attention_backend",
-)
-
-
-def __getattr__(name: str):
-    """TRANSITIONAL (issue 41), removed once the runner imports from layers.paged_attention."""
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module("nanoengine.layers.paged_attention"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
