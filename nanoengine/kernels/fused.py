@@ -18,6 +18,7 @@ from .paged_decode import pdl_capable
 from ..utils.compile import compile_stance
 from ..utils.dist import all_reduce
 
+# %% ../../notebooks/11b_fused.ipynb #fus00001
 try:
     import triton
     import triton.language as tl

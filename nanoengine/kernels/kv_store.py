@@ -31,7 +31,7 @@ if triton is not None:
         tl.store(k_cache_ptr + slot * D + offsets, k, mask=mask)
         tl.store(v_cache_ptr + slot * D + offsets, v, mask=mask)
 
-
+# %% ../../notebooks/07_kv_store.ipynb #kvs00001
 def check_kv_layout(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,

@@ -27,7 +27,7 @@ def key_slots(
     pos = torch.arange(len(seq), device=seq.device) - cu_seqlens_k[:-1].long()[seq]
     return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
 
-
+# %% ../../notebooks/08_paged_attention.ipynb #pat00001
 class AttentionBackend:
     """Stores a step's K/V in the paged cache, then attends: `prefill` (packed, causal) or `decode`
     (one query each)."""
@@ -165,7 +165,7 @@ class FlashBackend(AttentionBackend):
         )  # [B, 1, Hq, D]
         return out.squeeze(1)  # [B, Hq, D]
 
-
+# %% ../../notebooks/08_paged_attention.ipynb #pat00002
 def flash_attn_available() -> bool:
     """Whether the optional flash-attn package (the `gpu` extra) imports."""
     try:

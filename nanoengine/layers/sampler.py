@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from fastcore.basics import patch
 from torch import nn
 
 from ..kernels.race_kernel import draw_seed, race_kernel_serves, race_sample
@@ -54,7 +55,7 @@ def _uses_options(params: list[SamplingParams]) -> bool:
             return True
     return False
 
-
+# %% ../../notebooks/06_sampler.ipynb #smp00003
 @dataclass(slots=True)
 class SamplingBatch:
     """Per-row sampling settings of one engine step, as tensors on the logits' device."""
@@ -104,30 +105,31 @@ class SamplingBatch:
             any_greedy=min(temperatures) == 0.0,
         )
 
-    @classmethod
-    def _with_options(
-        cls, params: list[SamplingParams], positions: list[int], temperatures: list[float],
-        device: torch.device | str,
-    ) -> "SamplingBatch":
-        """Some row sets top-k, top-p or a seed: tensors for the options in use, greedy rows off."""
-        top_ks, top_ps, seeds = [], [], []
-        for sp, temperature, pos in zip(params, temperatures, positions):
-            sampled = temperature > 0
-            top_ks.append(sp.top_k if sampled and sp.top_k > 0 else -1)
-            top_ps.append(sp.top_p if sampled else 1.0)
-            seeds.append(mix_seed(sp.seed, pos) if sampled and sp.seed is not None else None)
-        max_top_k, any_top_p = max(top_ks), min(top_ps) < 1.0
-        any_seeded = seeds.count(None) < len(seeds)
-        floats = _to_device(
-            temperatures + top_ps if any_top_p else temperatures, torch.float32, device
-        ).view(-1, len(params))  # [2, B] or [1, B]: one host-to-device copy
-        return cls(
-            len(params), floats[0],
-            top_ks=_to_device(top_ks, torch.int64, device) if max_top_k > 0 else None,
-            top_ps=floats[1] if any_top_p else None, seeds=seeds if any_seeded else None,
-            max_top_k=max(max_top_k, 0), all_greedy=False, any_greedy=min(temperatures) == 0.0,
-            any_top_k=max_top_k > 0, any_top_p=any_top_p, any_seeded=any_seeded,
-        )
+# %% ../../notebooks/06_sampler.ipynb #smp00002
+@patch(cls_method=True)
+def _with_options(
+    cls: SamplingBatch, params: list[SamplingParams], positions: list[int],
+    temperatures: list[float], device: torch.device | str,
+) -> SamplingBatch:
+    """Some row sets top-k, top-p or a seed: tensors for the options in use, greedy rows off."""
+    top_ks, top_ps, seeds = [], [], []
+    for sp, temperature, pos in zip(params, temperatures, positions):
+        sampled = temperature > 0
+        top_ks.append(sp.top_k if sampled and sp.top_k > 0 else -1)
+        top_ps.append(sp.top_p if sampled else 1.0)
+        seeds.append(mix_seed(sp.seed, pos) if sampled and sp.seed is not None else None)
+    max_top_k, any_top_p = max(top_ks), min(top_ps) < 1.0
+    any_seeded = seeds.count(None) < len(seeds)
+    floats = _to_device(
+        temperatures + top_ps if any_top_p else temperatures, torch.float32, device
+    ).view(-1, len(params))  # [2, B] or [1, B]: one host-to-device copy
+    return cls(
+        len(params), floats[0],
+        top_ks=_to_device(top_ks, torch.int64, device) if max_top_k > 0 else None,
+        top_ps=floats[1] if any_top_p else None, seeds=seeds if any_seeded else None,
+        max_top_k=max(max_top_k, 0), all_greedy=False, any_greedy=min(temperatures) == 0.0,
+        any_top_k=max_top_k > 0, any_top_p=any_top_p, any_seeded=any_seeded,
+    )
 
 # %% ../../notebooks/06_sampler.ipynb #64de2d6d
 def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
