@@ -21,10 +21,8 @@ from torch import nn
 from ..config import Config
 from .cuda_graphs import CUDAGraphDecoder
 from .sequence import Sequence
-from ..kernels.fused import choose_fusions, fusion_pairs
-from ..kernels.gemv import choose_gemv
+from ..kernels.fused import tune_kernels
 from ..layers.attention import Attention
-from ..layers.linear import LinearBase
 from ..layers.paged_attention import AttentionBackend, select_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch
 from ..models.registry import load_weights, model_class
@@ -108,10 +106,10 @@ class ModelRunner:
         self.split_mixed = self.backend.splits_mixed_steps  # decode rows apart (_split_mixed)
         on_gpu = self.device.type == "cuda"
         with compile_stance(config.optimizations.torch_compile):
-            # the largest prefill first: compiled kernels keep the launch settings of their first
-            # calls (see "Start-up on a GPU" below)
+            # the largest prefill first: compiled kernels keep their first call's launch settings
             self.peak_activation_bytes = self.warmup() if on_gpu else 0
-            self.gemv_report, self.fused_report = self._tune_kernels()
+            reports = tune_kernels(self.model, config.optimizations)  # on a GPU (chapter 11.2)
+            self.gemv_report, self.fused_report = reports["gemv"], reports["fusions"]
             self.num_kvcache_blocks = self.allocate_kv_cache()
             if on_gpu and not config.enforce_eager:
                 self.graphs = self._capture_graphs()
@@ -142,7 +140,9 @@ def _load_model(self: ModelRunner) -> tuple[nn.Module, StepContext]:
     """The model in the engine's dtype on this rank's device, loaded, bound to its own side
     channel (section 04.1): no state shared with another runner."""
     hf = self.config.hf_config
-    model = model_class(hf).build(hf, self.dtype, self.device)  # section 05.6
+    model = model_class(hf).build(  # section 05.6
+        hf, self.dtype, self.device, optimizations=self.config.optimizations
+    )
     load_weights(model, self.config.model)  # safetensors or GGUF
     step = StepContext()
     bind_step_context(model, step)
@@ -172,16 +172,6 @@ def _backend_name(self: ModelRunner) -> str:
         if name == "auto":
             return "torch"
     return name
-
-
-@patch
-def _tune_kernels(self: ModelRunner) -> tuple[dict, dict]:
-    """The kernels' timings on this model's shapes (on a GPU; chapters 11.1 and 11.2): the GEMV
-    report and the fusion report."""
-    if self.device.type != "cuda":
-        return {}, {}
-    linear = [m.weight for m in self.model.modules() if isinstance(m, LinearBase)]
-    return choose_gemv(linear), choose_fusions(fusion_pairs(self.model))
 
 # %% ../../notebooks/09_model_runner.ipynb #681d4cc0
 @patch
