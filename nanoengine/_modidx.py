@@ -237,8 +237,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                         'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner.ModelRunner._to_host': ( 'model_runner.html#modelrunner._to_host',
                                                                                                          'nanoengine/engine/model_runner.py'),
-                                                'nanoengine.engine.model_runner.ModelRunner._tune_kernels': ( 'model_runner.html#modelrunner._tune_kernels',
-                                                                                                              'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner.ModelRunner._wait': ( 'model_runner.html#modelrunner._wait',
                                                                                                       'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner.ModelRunner.allocate_kv_cache': ( 'model_runner.html#modelrunner.allocate_kv_cache',
