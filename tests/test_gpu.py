@@ -99,27 +99,35 @@ def test_async_graph_decode_with_short_and_long_contexts_equals_synchronous_eage
 
 
 def test_decode_steps_copy_their_inputs_once_and_reuse_their_sampling_tensors(ckpt, monkeypatch):
-    """The decode path the graphs serve: replay gets pack_decode's rows (one int64 tensor, one copy in), a step with
-    the same requests as the step before gets that step's SamplingBatch again, and sampling at a temperature from the
-    same seeds gives the same tokens twice."""
+    """The decode path the graphs serve: replay gets pack_decode's rows (one int64 tensor, one copy in), and a step
+    with the same requests as the step before gets that step's SamplingBatch again; sampled at a temperature from the
+    same seeds, the tokens equal those of an engine that builds every step's sampling tensors afresh."""
     prompts = prompts_with_shared_prefix(10, seed=3)
-    llm = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=32, max_num_seqs=13, max_model_len=1024,
-              max_num_batched_tokens=512)
-    runner = llm.model_runner
-    assert runner.graphs is not None
-    fed, batches = [], []
-    replay, prepare_sample = runner.graphs.replay, runner.prepare_sample
-    monkeypatch.setattr(runner.graphs, "replay", lambda packed, *a, **k: fed.append(packed) or replay(packed, *a, **k))
-    monkeypatch.setattr(runner, "prepare_sample", lambda seqs: batches.append(prepare_sample(seqs)) or batches[-1])
-    runs = []
-    for _ in range(2):
+    runs, fed, reused = [], [], []
+    for reuse in (True, False):  # two engines with the same history: the same steps, the same seeds
+        llm = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=32, max_num_seqs=13, max_model_len=1024,
+                  max_num_batched_tokens=512)
+        runner = llm.model_runner
+        assert runner.graphs is not None
+        replay, prepare_sample = runner.graphs.replay, runner.prepare_sample
+
+        def spy_sample(seqs, runner=runner, prepare_sample=prepare_sample, reuse=reuse):
+            if not reuse:
+                runner.last_sample = ([], None)  # nothing to reuse: fresh tensors every step
+            last = runner.last_sample[1]
+            batch = prepare_sample(seqs)
+            reused.append(reuse and batch is last)
+            return batch
+
+        monkeypatch.setattr(runner.graphs, "replay", lambda packed, *a, **k: fed.append(packed) or replay(packed, *a, **k))
+        monkeypatch.setattr(runner, "prepare_sample", spy_sample)
         torch.manual_seed(0)  # the sampler's per-step seeds come from torch's CPU generator
         params = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)
         runs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
-    llm.close()
+        llm.close()
     assert runs[0] == runs[1]
     assert fed and all(p.dtype == torch.int64 and p.dim() == 2 and p.shape[1] >= 5 for p in fed)
-    assert sum(a is b for a, b in zip(batches, batches[1:])) > 20, "decode steps reuse the last step's tensors"
+    assert sum(reused) > 20, "decode steps reuse the last step's sampling tensors"
 
 
 def test_flash_decode_with_one_split_equals_the_library_split():
