@@ -1,6 +1,6 @@
 """Where the bench workload's prompt steps spend their time: the GPU busy, idle, and what the host was doing.
 
-    python benchmarks/prefill_profile.py OUT.json      (needs a CUDA GPU; engine switches through the environment)
+    python benchmarks/prefill_profile.py OUT.json      (needs a CUDA GPU)
 
 One fresh engine (max_model_len 4096, as `python -m nanoengine.bench`) and the warm-up request; then the bench
 workload's first `--steps` engine steps (its prompt steps and the first decode steps) three times: un-profiled,

@@ -1,5 +1,5 @@
-"""Time section 11.4's one-pass sampler against chapter 06's PyTorch path, both through `Sampler` (the switch
-NANOENGINE_RACE_KERNEL flipped between them), and test the kernel's frequencies on the whole vocabulary.
+"""Time section 11.4's one-pass sampler against chapter 06's PyTorch path, both through `Sampler`
+(`Sampler(one_pass=False)` against `Sampler()`), and test the kernel's frequencies on the whole vocabulary.
 
     python benchmarks/race_sampler.py OUT.json      (needs a CUDA GPU)
 
@@ -10,7 +10,6 @@ kernels alone, 20 calls captured in a CUDA graph and replayed, with the noise's 
 instruction (as the engine runs them) and by libdevice's exact functions (the kernel before session 16)."""
 import json
 import math
-import os
 import sys
 
 import torch
@@ -103,15 +102,13 @@ def kernel_only() -> list[dict]:
 
 def measure() -> dict:
     """Per-call times of both paths for each batch size, and the kernel's chi-square test."""
-    sampler, timings = Sampler(), []
+    samplers, timings = {"torch_us": Sampler(one_pass=False), "kernel_us": Sampler()}, []
     for b in BATCHES:
         logits = torch.randn(b, VOCAB, device="cuda", dtype=torch.bfloat16) * 3
         batch = SamplingBatch.from_params([SamplingParams(temperature=0.6)] * b, [0] * b, "cuda")
         row = {"batch": b}
-        for key, switch in (("torch_us", "0"), ("kernel_us", "1")):
-            os.environ["NANOENGINE_RACE_KERNEL"] = switch
+        for key, sampler in samplers.items():
             row[key] = round(_per_call_us(lambda: sampler(logits, batch)), 2)
-        os.environ.pop("NANOENGINE_RACE_KERNEL")
         timings.append(row)
     return {"timings": timings, "kernel_only": kernel_only(), "chi_square": _chi_square()}
 
