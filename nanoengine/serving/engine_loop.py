@@ -8,13 +8,13 @@ __all__ = ['Submission', 'Accepted', 'Rejected', 'Failed', 'Delta', 'LiveRequest
 import logging
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from itertools import count
 
 import torch
+from fastcore.basics import patch
 
 from ..engine.llm_engine import IncrementalText, LLMEngine, find_stop, held_back
 from ..engine.scheduler import PENDING_TOKEN
@@ -23,7 +23,6 @@ from ..layers.sampler import SamplingBatch
 from ..sampling_params import SamplingParams
 
 _log = logging.getLogger(__name__)
-
 
 # %% ../../notebooks/15_serve.ipynb #e05c549e
 @dataclass(slots=True)
@@ -107,7 +106,7 @@ def check_sampling(seqs: list[Sequence]) -> None:
         if values is not None and not bool(torch.isfinite(values).all()):
             raise ValueError(f"the sampling settings do not fit the sampler's tensors: {name}")
 
-
+# %% ../../notebooks/15_serve.ipynb #5cb95e55
 def admit(engine: LLMEngine, submission: Submission) -> list[Sequence]:
     """Tokenize (unless already done) and check every prompt and its sampling settings, then queue
     its sequences (all or none)."""
@@ -176,47 +175,75 @@ def apply_command(engine: LLMEngine, live: dict[int, LiveRequest], command: tupl
             future.set_exception(e)
     return kind != "stop"
 
+# %% ../../notebooks/15_serve.ipynb #c62a5785
+class EngineLoop:
+    """A thread that owns one engine: requests enter through a queue, results leave by callbacks."""
+
+    def __init__(self, make_engine: Callable[[], LLMEngine]):
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the engine thread
+        self._ids = count()  # request ids
+        self._lock = threading.Lock()  # orders _put against closing the inbox
+        self._closed = False  # set once, under the lock: no command is queued after it
+        self.error: BaseException | None = None  # why the loop stopped, if it broke
+        self.max_model_len = 0  # the engine's, once it is built
+        self._started = threading.Event()
+        self.thread = threading.Thread(target=self._main, args=(make_engine,),
+                                       name="engine-loop", daemon=True)
+        self.thread.start()
+        self._started.wait()  # the engine is built, or failed to build, on the thread
+        if self.error is not None:
+            raise self.error
+
 # %% ../../notebooks/15_serve.ipynb #490baeea
-class _LoopInbox:
-    """The way into an engine loop from any thread: each method only queues a command."""
+@patch(as_prop=True)
+def is_alive(self: EngineLoop) -> bool:
+    """True while the loop takes commands (False once it is stopping or has stopped)."""
+    return not self._closed and self.thread.is_alive()
 
-    @property
-    def is_alive(self) -> bool:
-        """True while the loop takes commands (False once it is stopping or has stopped)."""
-        return not self._closed and self.thread.is_alive()
 
-    def submit(self, submission: Submission, emit: Callable[[object], None]) -> int:
-        """Queue a request; `emit` gets Accepted or Rejected, then Deltas (on the engine thread)."""
-        request_id = next(self._ids)
-        self._put(("submit", request_id, submission, emit))
-        return request_id
+@patch
+def submit(self: EngineLoop, submission: Submission, emit: Callable[[object], None]) -> int:
+    """Queue a request; `emit` gets Accepted or Rejected, then Deltas (on the engine thread)."""
+    request_id = next(self._ids)
+    self._put(("submit", request_id, submission, emit))
+    return request_id
 
-    def abort(self, request_id: int) -> None:
-        """Stop a request and free its KV blocks (a finished or unknown id is ignored)."""
-        self._put(("abort", request_id))
 
-    def call(self, fn: Callable[[LLMEngine], object]) -> Future:
-        """Run `fn(engine)` on the engine thread between two steps; the Future gets its result."""
-        future = Future()
-        self._put(("call", fn, future))
-        return future
+@patch
+def abort(self: EngineLoop, request_id: int) -> None:
+    """Stop a request and free its KV blocks (a finished or unknown id is ignored)."""
+    self._put(("abort", request_id))
 
-    def stop(self) -> None:
-        """Ask the loop to stop (returns at once): open requests fail, then the engine closes."""
-        self._put(("stop",))
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Stop the loop and wait until the engine has closed (its tensor-parallel workers too)."""
-        self.stop()
-        self.thread.join(timeout)
+@patch
+def call(self: EngineLoop, fn: Callable[[LLMEngine], object]) -> Future:
+    """Run `fn(engine)` on the engine thread between two steps; the Future gets its result."""
+    future = Future()
+    self._put(("call", fn, future))
+    return future
 
-    def _put(self, command: tuple) -> None:
-        """Queue a command; once the loop has closed its inbox, answer it here instead."""
-        with self._lock:
-            if not self._closed:
-                self._inbox.put(command)
-                return
-        _answer(command, "the engine loop has stopped")
+
+@patch
+def stop(self: EngineLoop) -> None:
+    """Ask the loop to stop (returns at once): open requests fail, then the engine closes."""
+    self._put(("stop",))
+
+
+@patch
+def close(self: EngineLoop, timeout: float = 60.0) -> None:
+    """Stop the loop and wait until the engine has closed (its tensor-parallel workers too)."""
+    self.stop()
+    self.thread.join(timeout)
+
+
+@patch
+def _put(self: EngineLoop, command: tuple) -> None:
+    """Queue a command; once the loop has closed its inbox, answer it here instead."""
+    with self._lock:
+        if not self._closed:
+            self._inbox.put(command)
+            return
+    _answer(command, "the engine loop has stopped")
 
 
 def _answer(command: tuple, message: str) -> None:
@@ -227,75 +254,71 @@ def _answer(command: tuple, message: str) -> None:
     elif kind == "call" and not args[1].done():
         args[1].set_exception(RuntimeError(message))
 
-# %% ../../notebooks/15_serve.ipynb #c62a5785
-class EngineLoop(_LoopInbox):
-    """A thread that owns one engine: requests enter through a queue, results leave by callbacks."""
+# %% ../../notebooks/15_serve.ipynb #73d1f4e7
+@patch
+def _main(self: EngineLoop, make_engine: Callable[[], LLMEngine]) -> None:
+    """The engine thread: build the engine, then take commands and step until told to stop."""
+    engine = self._build(make_engine)
+    if engine is None:
+        return
+    live: dict[int, LiveRequest] = {}
+    try:
+        while self._take_commands(engine, live, wait=engine.is_finished()):
+            if not engine.is_finished():
+                engine.step()
+            for request_id in [r for r, request in live.items() if publish(engine, request)]:
+                del live[request_id]
+    except BaseException as e:
+        self.error = e
+        _log.error("the engine loop failed", exc_info=e)  # the details go to the log only
+    finally:
+        self._shut(engine, live)
 
-    def __init__(self, make_engine: Callable[[], LLMEngine], *, trace_len: int = 10_000):
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._ids = count()
-        self._started = threading.Event()
-        self.error: BaseException | None = None  # why the loop stopped, if it broke
-        self._lock = threading.Lock()  # orders _put against closing the inbox
-        self._closed = False  # set once, under the lock: no command is queued after it
-        self.max_model_len = 0
-        self.thread = threading.Thread(target=self._main, args=(make_engine, trace_len),
-                                       name="engine-loop", daemon=True)
-        self.thread.start()
-        self._started.wait()
-        if self.error is not None:
-            raise self.error
 
-    def _main(self, make_engine: Callable[[], LLMEngine], trace_len: int) -> None:
-        """The engine thread: build the engine, then take commands and step until told to stop."""
+@patch
+def _build(self: EngineLoop, make_engine: Callable[[], LLMEngine]) -> LLMEngine | None:
+    """Build the engine on this thread; None, with `error` set, when that fails."""
+    try:
+        engine = make_engine()
+        self.max_model_len = engine.config.max_model_len
+        return engine
+    except BaseException as e:
+        self.error, self._closed = e, True
+        return None
+    finally:
+        self._started.set()
+
+
+@patch
+def _take_commands(self: EngineLoop, engine: LLMEngine, live: dict[int, LiveRequest],
+                   wait: bool) -> bool:
+    """Apply every queued command (waiting for one if the engine is idle); False on stop."""
+    while True:
         try:
-            engine = make_engine()
-            engine.trace = deque(engine.trace, maxlen=trace_len)
-            self.max_model_len = engine.config.max_model_len
-        except BaseException as e:
-            self.error, self._closed = e, True
-            return
-        finally:
-            self._started.set()
-        live: dict[int, LiveRequest] = {}
+            command = self._inbox.get(block=wait)
+        except queue.Empty:
+            return True
+        if not apply_command(engine, live, command):
+            return False
+        wait = False
+
+# %% ../../notebooks/15_serve.ipynb #4d595115
+@patch
+def _shut(self: EngineLoop, engine: LLMEngine, live: dict[int, LiveRequest]) -> None:
+    """Close the inbox, fail the open requests, answer what is still queued, close the engine."""
+    message = ("the server is shutting down" if self.error is None
+               else "the engine failed; the server's log has the details")
+    with self._lock:
+        self._closed = True
+    for request in live.values():
+        request.emit(Failed(message))
+    while True:
         try:
-            while self._take_commands(engine, live, wait=engine.is_finished()):
-                if not engine.is_finished():
-                    engine.step()
-                for request_id in [r for r, request in live.items() if publish(engine, request)]:
-                    del live[request_id]
-        except BaseException as e:
-            self.error = e
-            _log.error("the engine loop failed", exc_info=e)  # the details go to the log only
-        finally:
-            message = ("the server is shutting down" if self.error is None
-                       else "the engine failed; the server's log has the details")
-            with self._lock:
-                self._closed = True
-            for request in live.values():
-                request.emit(Failed(message))
-            self._refuse_commands(message)
-            engine.close()
-
-    def _take_commands(self, engine: LLMEngine, live: dict[int, LiveRequest], wait: bool) -> bool:
-        """Apply every queued command (waiting for one if the engine is idle); False on stop."""
-        while True:
-            try:
-                command = self._inbox.get(block=wait)
-            except queue.Empty:
-                return True
-            if not apply_command(engine, live, command):
-                return False
-            wait = False
-
-    def _refuse_commands(self, message: str) -> None:
-        """Answer what is still queued after the loop stopped."""
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            _answer(command, message)
+            command = self._inbox.get_nowait()
+        except queue.Empty:
+            break
+        _answer(command, message)
+    engine.close()
 
 # %% ../../notebooks/15_serve.ipynb #1cb15880
 def engine_stats(engine: LLMEngine, since_step: int = 0) -> dict:
