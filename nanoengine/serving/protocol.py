@@ -2,9 +2,10 @@
 
 # %% auto #0
 __all__ = ['SAMPLING_FIELDS', 'COMMON_FIELDS', 'COMPLETION_FIELDS', 'CHAT_FIELDS', 'NEUTRAL', 'ROLES', 'MAX_CHOICES',
-           'DEFAULT_MAX_TOKENS', 'brief', 'ApiError', 'check_fields', 'check_model', 'is_token_ids', 'parse_prompt',
-           'parse_messages', 'parse_stop', 'parse_sampling', 'check_prompt_sizes', 'ParsedRequest', 'parse_flag',
-           'parse_request', 'new_id', 'choice', 'response', 'usage']
+           'DEFAULT_MAX_TOKENS', 'TOKENIZE_FLAGS', 'TOKENIZE_FIELDS', 'brief', 'ApiError', 'check_fields',
+           'check_model', 'is_token_ids', 'parse_prompt', 'parse_messages', 'parse_stop', 'parse_sampling',
+           'check_prompt_sizes', 'ParsedRequest', 'parse_flag', 'parse_request', 'new_id', 'choice', 'response',
+           'usage', 'TokenizeRequest', 'check_known', 'parse_tokenize', 'parse_detokenize']
 
 # %% ../../notebooks/15a_openai_protocol.ipynb #7d646506
 import reprlib
@@ -119,7 +120,7 @@ def parse_stop(stop) -> tuple[str, ...]:
                        "stop")
     return tuple(stops)
 
-
+# %% ../../notebooks/15a_openai_protocol.ipynb #e6ad5996
 def parse_sampling(body: dict, max_tokens_field: str, default_max_tokens: int) -> SamplingParams:
     """SamplingParams from the request, each field checked alone so that an error names it."""
     values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
@@ -151,7 +152,6 @@ def check_prompt_sizes(prompts: list, max_model_len: int, max_prompt_chars: int 
             raise ApiError(f"prompt {i} has {size} {unit}, more than can fit in max_model_len "
                            f"({max_model_len} tokens: at most {most} {unit})",
                            "messages" if chat else "prompt", code="context_length_exceeded")
-
 
 # %% ../../notebooks/15a_openai_protocol.ipynb #0041daa2
 @dataclass(slots=True)
@@ -198,7 +198,6 @@ def parse_request(body, served_model_name: str, *, chat: bool, max_model_len: in
     submission = Submission(prompts, params, n, parse_stop(body.get("stop")), chat, fit)
     return ParsedRequest(submission, stream, include_usage)
 
-
 # %% ../../notebooks/15a_openai_protocol.ipynb #bc3467bd
 def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -228,3 +227,58 @@ def response(chat: bool, request_id: str, created: int, model: str, choices: lis
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+# %% ../../notebooks/15a_openai_protocol.ipynb #54f11a51
+TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt", "return_token_strs")
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", *TOKENIZE_FLAGS})
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    """A checked /tokenize body: one text or one conversation, and how to tokenize it."""
+    prompt: str | list[dict]  # a text, or with chat=True a conversation
+    chat: bool
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+def check_known(body, allowed: frozenset, served_model_name: str) -> None:
+    """A JSON object with only `allowed` fields; its model, if any, the served one."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    for name in body:
+        if name not in allowed:
+            raise ApiError(f"Unrecognized request argument supplied: {name}", name)
+    if body.get("model") is not None:
+        check_model(body, served_model_name)
+
+
+def parse_tokenize(body, served_model_name: str, *, max_model_len: int,
+                   max_prompt_chars: int | None = None) -> TokenizeRequest:
+    """Check a /tokenize body: `prompt` (a string) or `messages`, and three flags."""
+    check_known(body, TOKENIZE_FIELDS, served_model_name)
+    chat = body.get("messages") is not None
+    if chat == (body.get("prompt") is not None):
+        raise ApiError("send one of prompt (a string) and messages (a conversation)", "prompt")
+    prompt = parse_messages(body["messages"]) if chat else body["prompt"]
+    if not isinstance(prompt, str) and not chat:
+        raise ApiError(f"prompt must be a string, got {brief(prompt)}", "prompt")
+    if not chat and body.get("add_generation_prompt") is not None:
+        raise ApiError("add_generation_prompt goes with messages", "add_generation_prompt")
+    check_prompt_sizes([prompt], max_model_len, max_prompt_chars)
+    flags = {name: parse_flag(body, name) for name in TOKENIZE_FLAGS if body.get(name) is not None}
+    return TokenizeRequest(prompt, chat, **flags)
+
+
+def parse_detokenize(body, served_model_name: str, vocab_size: int) -> list[int]:
+    """Check a /detokenize body: `tokens`, a list of token ids of the vocabulary."""
+    check_known(body, frozenset({"model", "tokens"}), served_model_name)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise ApiError(f"tokens must be a list of token ids (ints), got {brief(tokens)}", "tokens")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(f"token id {brief(bad)} is outside the vocabulary [0, {vocab_size})",
+                       "tokens")
+    return tokens
