@@ -232,8 +232,7 @@ def test_mixed_steps_split_for_a_backend_that_asks_equal_transformers(ckpt, hf, 
     """Section 08.1's split of a mixed step (decode rows as a decode step, prompt rows as a prefill), run on a CPU
     through TorchBackend's two paths; chunked prompts, a shared prefix (prompt rows with cached keys) and preemption."""
     import nanoengine.engine.model_runner as mr
-    from nanoengine.layers.paged_attention import TorchBackend
-    from nanoengine.kernels.paged_decode import TritonDecodeMixin
+    from nanoengine.layers.paged_attention import TorchBackend, TritonDecodeMixin
 
     parts = []
 
@@ -269,3 +268,47 @@ def test_mixed_steps_split_for_a_backend_that_asks_equal_transformers(ckpt, hf, 
         transformers_greedy(hf, p, llm.eos_token_ids) for p in fresh]
     assert parts and any(cached for _, cached in parts) and any(not cached for _, cached in parts), parts
     llm.close()
+
+
+def test_the_engine_hands_every_setting_to_config_by_name(ckpt):
+    """Config(path, setting=setting, ...) is written out: every field of Config is an argument of the engine (and of
+    LLM), and a value of each reaches the engine's config; the scheduler reads its flag from there."""
+    from dataclasses import fields
+
+    from nanoengine import Config, LLMEngine, Optimizations
+    from nanoengine.engine.llm_engine import engine_arguments
+
+    settings = {f.name for f in fields(Config)} - {"model", "hf_config"}
+    assert settings <= set(engine_arguments(LLMEngine)) and settings <= set(engine_arguments(LLM))
+    chosen = dict(max_num_batched_tokens=96, max_num_seqs=7, max_model_len=200, gpu_memory_utilization=0.5,
+                  num_kvcache_blocks=20, kvcache_block_size=32, tensor_parallel_size=1, enforce_eager=True,
+                  enable_prefix_caching=False, attention_backend="torch",
+                  optimizations=Optimizations(plan_prompt_steps=False, batch_text_decode=False))
+    assert set(chosen) | {"device", "dtype"} == settings, "every setting is tried"
+    with LLMEngine(ckpt, device="cpu", dtype="bfloat16", **chosen) as engine:
+        assert {name: getattr(engine.config, name) for name in chosen} == chosen
+        assert (engine.config.device, engine.config.dtype) == (torch.device("cpu"), torch.bfloat16)
+        assert not engine.scheduler.plan_prompt_steps and engine.scheduler.max_num_seqs == 7
+
+
+def test_the_engine_is_handed_its_runner(ckpt):
+    """make_runner(config, plan_ahead) builds rank 0's runner; the default builds one rank's and refuses more."""
+    from nanoengine import LLMEngine
+    from nanoengine.engine.llm_engine import one_rank_runner
+    from nanoengine.engine.model_runner import ModelRunner
+
+    calls = []
+
+    def recording(config, plan_ahead):
+        calls.append((config.num_kvcache_blocks, plan_ahead))
+        return one_rank_runner(config, plan_ahead)
+
+    for async_scheduling in (False, True):
+        with LLMEngine(ckpt, device="cpu", kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=128,
+                       async_scheduling=async_scheduling, make_runner=recording) as engine:
+            assert type(engine.model_runner) is ModelRunner and engine.config.num_kvcache_blocks == 16
+    assert calls == [(16, False), (16, True)]
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs one process per rank.*nanoengine.LLM"):
+        LLMEngine(ckpt, device="cpu", tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="LLMEngine.. got an unexpected keyword argument 'control_plane'"):
+        LLMEngine(ckpt, device="cpu", control_plane="shm")  # a setting of LLM, the front door (14.3)

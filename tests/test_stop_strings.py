@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from nanoengine import LLM, SamplingParams
+from nanoengine import LLM, Optimizations, SamplingParams
 from nanoengine.engine.llm_engine import IncrementalText, find_stop, held_back
 from nanoengine.models.checkpoint import write_random_checkpoint
 
@@ -296,21 +296,20 @@ def test_generate_texts_equal_decode_one_by_one(llm, plain):
     assert [o["text"] for o in outs] == [llm._decode(o["token_ids"]) for o in plain]
 
 
-def test_the_batch_decode_switch_decodes_one_by_one_and_refuses_a_bad_value(ckpt, llm, monkeypatch):
-    """NANOENGINE_BATCH_DECODE=0 (the ladder's rung), read at start-up, takes the one-by-one path with the same
-    strings; a bad value is refused before the engine loads anything."""
+def test_batch_text_decode_off_decodes_one_by_one_and_a_bad_value_is_refused(ckpt, llm, monkeypatch):
+    """Optimizations(batch_text_decode=False) (the ladder's rung) takes the one-by-one path with the same strings; a
+    value that is not a bool is refused before the engine loads anything."""
     ids = [[5, 6, 7], [8], list(range(40, 90))]
     expected = [llm.tokenizer.decode(i, skip_special_tokens=True) for i in ids]
-    monkeypatch.setenv("NANOENGINE_BATCH_DECODE", "0")
-    assert llm.batch_decode and llm._decode_all(ids) == expected  # an engine keeps what it read at start-up
-    one_by_one = LLM(ckpt, **ENGINE)
+    assert llm.config.optimizations.batch_text_decode and llm._decode_all(ids) == expected  # the default
+    one_by_one = LLM(ckpt, optimizations=Optimizations(batch_text_decode=False), **ENGINE)
     try:
         calls = []
         decode = one_by_one._decode
         monkeypatch.setattr(one_by_one, "_decode", lambda token_ids: calls.append(token_ids) or decode(token_ids))
-        assert not one_by_one.batch_decode and one_by_one._decode_all(ids) == expected and calls == ids
+        assert not one_by_one.config.optimizations.batch_text_decode
+        assert one_by_one._decode_all(ids) == expected and calls == ids
     finally:
         one_by_one.close()
-    monkeypatch.setenv("NANOENGINE_BATCH_DECODE", "no")
-    with pytest.raises(ValueError, match="NANOENGINE_BATCH_DECODE"):
-        LLM(ckpt, **ENGINE)
+    with pytest.raises(ValueError, match="optimizations.batch_text_decode"):
+        LLM(ckpt, optimizations=Optimizations(batch_text_decode="no"), **ENGINE)

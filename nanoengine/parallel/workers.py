@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['TIMEOUT', 'EXIT_SECONDS', 'ABORT_SECONDS', 'WATCH_SECONDS', 'check_tensor_parallel', 'init_tp_group',
-           'launched_by_torchrun', 'serve_model', 'serve_echo', 'WorkerDiedError', 'WorkerGroup',
+           'launched_by_torchrun', 'serve_model', 'serve_echo', 'WorkerGroup', 'WorkerDiedError',
            'TensorParallelRunner', 'start_tensor_parallel']
 
 # %% ../../notebooks/14a_worker_group.ipynb #8a7e74de
@@ -23,16 +23,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fastcore.basics import patch
 
 from ..config import Config
 from nanoengine.parallel.channels import (
-    POLL_SECONDS,
-    DistChannel,
-    PipeChannel,
-    ShmChannel,
-    parent_alive,
+    POLL_SECONDS, DistChannel, PipeChannel, ShmChannel, check_control_plane, parent_alive,
 )
-from ..engine.llm_engine import CONTROL_PLANES
 from ..engine.model_runner import LaunchedStep, ModelRunner, rank_device
 from ..engine.sequence import Sequence
 from ..layers.sampler import SamplingBatch
@@ -142,7 +138,7 @@ def _package_relative(report: str) -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(nanoengine.__file__)))
     return report.replace(root + os.sep, "")
 
-
+# %% ../../notebooks/14a_worker_group.ipynb #f14a0001
 def _worker_main(
     rank: int,
     world_size: int,
@@ -222,7 +218,7 @@ def _leave_group(abort: bool) -> bool:
     thread.join(ABORT_SECONDS if abort else EXIT_SECONDS)
     return not thread.is_alive()
 
-
+# %% ../../notebooks/14a_worker_group.ipynb #f14a0002
 def _release(res: _Resources) -> None:
     """Stop the workers (politely unless a step failed), remove the segment, leave the group."""
     if res.released:
@@ -261,94 +257,9 @@ def _release(res: _Resources) -> None:
     res.store = None
     torch.set_num_threads(res.num_threads)
 
-
-# %% ../../notebooks/14a_worker_group.ipynb #a0fd3001
-class _WorkerSpawn:
-    """How the other ranks come to exist: spawned from here, or joined under torchrun."""
-
-    def _spawn(self, job: Callable, job_args: tuple) -> None:
-        ctx = mp.get_context("spawn")
-        num_threads = max(1, _usable_cpus() // self.world_size) if self.device.type == "cpu" else 1
-        with _gloo_on_loopback():
-            self.res.store = store = dist.TCPStore(
-                "127.0.0.1",
-                0,
-                self.world_size,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=TIMEOUT,
-            )
-            if self.control_plane == "shm":
-                self.res.channel = ShmChannel(self.world_size - 1, ctx)
-            elif self.control_plane == "pipe":
-                self.res.channel = PipeChannel(self.world_size - 1, ctx)
-            for rank in range(1, self.world_size):
-                endpoint = None if self.res.channel is None else self.res.channel.endpoint(rank - 1)
-                p = ctx.Process(
-                    target=_worker_main,
-                    name=f"nanoengine-rank{rank}",
-                    daemon=True,
-                    args=(
-                        rank,
-                        self.world_size,
-                        self.device,
-                        store.port,
-                        self.control_plane,
-                        endpoint,
-                        num_threads,
-                        job,
-                        job_args,
-                    ),
-                )
-                p.start()
-                self.res.procs.append(p)
-            if self.res.channel is not None:
-                self.res.channel.started()
-            self._wait_until_joined()
-            init_tp_group(rank_device(self.device, 0), 0, self.world_size, store)
-            self.res.owns_group = True
-            if self.control_plane == "dist":
-                self.res.channel = DistChannel()
-        if self.device.type == "cpu":
-            torch.set_num_threads(num_threads)
-
-    def _join_torchrun(self, job: Callable, job_args: tuple) -> None:
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if rank != 0:
-            raise ValueError(
-                f"this is rank {rank} of a torchrun job: only rank 0 builds the engine; the other "
-                "ranks "
-                "call nanoengine.parallel.torchrun.run_worker()"
-            )
-        if world_size != self.world_size:
-            raise ValueError(
-                f"tensor_parallel_size={self.world_size} but torchrun started "
-                f"WORLD_SIZE={world_size}"
-            )
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        init_tp_group(self.device, 0, world_size)
-        self.res.owns_group = True
-        self.res.channel = DistChannel()
-        self.res.channel.send(
-            (job, job_args)
-        )  # the workers learn what to run, with rank 0's Config
-
-    def _wait_until_joined(self) -> None:
-        """Wait until every worker reached the rendezvous, failing fast if one dies on the way."""
-        deadline = time.monotonic() + TIMEOUT.total_seconds()
-        for rank in range(1, self.world_size):
-            while not self.res.store.check([f"joined/{rank}"]):
-                self.check_alive()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"tensor-parallel rank {rank} did not start within {TIMEOUT}"
-                    )
-                time.sleep(POLL_SECONDS / 4)
-
 # %% ../../notebooks/14a_worker_group.ipynb #7fe47d63
-class _WorkerStart(_WorkerSpawn):
-    """Starting ranks 1..P-1 (spawned here, or joined under torchrun); the first half of
-    WorkerGroup."""
+class WorkerGroup:
+    """Rank 0's handle on ranks 1..P-1: their processes, the process group, the control channel."""
 
     def __init__(
         self,
@@ -358,10 +269,7 @@ class _WorkerStart(_WorkerSpawn):
         job: Callable = serve_model,
         job_args: tuple = (),
     ):
-        if control_plane not in CONTROL_PLANES:
-            raise ValueError(
-                f"control_plane must be one of {CONTROL_PLANES}, got {control_plane!r}"
-            )
+        check_control_plane(control_plane)
         if dist.is_initialized():
             raise RuntimeError(
                 "this process already has a torch.distributed process group (another "
@@ -389,6 +297,91 @@ class _WorkerStart(_WorkerSpawn):
     def channel(self):
         return self.res.channel
 
+# %% ../../notebooks/14a_worker_group.ipynb #a0fd3001
+@patch
+def _spawn(self: WorkerGroup, job: Callable, job_args: tuple) -> None:
+    ctx = mp.get_context("spawn")
+    num_threads = max(1, _usable_cpus() // self.world_size) if self.device.type == "cpu" else 1
+    with _gloo_on_loopback():
+        self.res.store = store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=TIMEOUT,
+        )
+        if self.control_plane == "shm":
+            self.res.channel = ShmChannel(self.world_size - 1, ctx)
+        elif self.control_plane == "pipe":
+            self.res.channel = PipeChannel(self.world_size - 1, ctx)
+        for rank in range(1, self.world_size):
+            endpoint = None if self.res.channel is None else self.res.channel.endpoint(rank - 1)
+            p = ctx.Process(
+                target=_worker_main,
+                name=f"nanoengine-rank{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    self.world_size,
+                    self.device,
+                    store.port,
+                    self.control_plane,
+                    endpoint,
+                    num_threads,
+                    job,
+                    job_args,
+                ),
+            )
+            p.start()
+            self.res.procs.append(p)
+        if self.res.channel is not None:
+            self.res.channel.started()
+        self._wait_until_joined()
+        init_tp_group(rank_device(self.device, 0), 0, self.world_size, store)
+        self.res.owns_group = True
+        if self.control_plane == "dist":
+            self.res.channel = DistChannel()
+    if self.device.type == "cpu":
+        torch.set_num_threads(num_threads)
+
+# %% ../../notebooks/14a_worker_group.ipynb #f14a0003
+@patch
+def _join_torchrun(self: WorkerGroup, job: Callable, job_args: tuple) -> None:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank != 0:
+        raise ValueError(
+            f"this is rank {rank} of a torchrun job: only rank 0 builds the engine; the other "
+            "ranks "
+            "call nanoengine.parallel.torchrun.run_worker()"
+        )
+    if world_size != self.world_size:
+        raise ValueError(
+            f"tensor_parallel_size={self.world_size} but torchrun started "
+            f"WORLD_SIZE={world_size}"
+        )
+    self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    init_tp_group(self.device, 0, world_size)
+    self.res.owns_group = True
+    self.res.channel = DistChannel()
+    self.res.channel.send(
+        (job, job_args)
+    )  # the workers learn what to run, with rank 0's Config
+
+
+@patch
+def _wait_until_joined(self: WorkerGroup) -> None:
+    """Wait until every worker reached the rendezvous, failing fast if one dies on the way."""
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    for rank in range(1, self.world_size):
+        while not self.res.store.check([f"joined/{rank}"]):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tensor-parallel rank {rank} did not start within {TIMEOUT}"
+                )
+            time.sleep(POLL_SECONDS / 4)
+
 # %% ../../notebooks/14a_worker_group.ipynb #6410b686
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process exited; the message names its rank and exit code."""
@@ -401,195 +394,219 @@ def _signal_name(code: int) -> str:
         return ""
 
 # %% ../../notebooks/14a_worker_group.ipynb #feef8985
-class WorkerGroup(_WorkerStart):
-    """Rank 0's handle on ranks 1..P-1: their processes, the process group, the control channel."""
+@patch
+def _worker_error(self: WorkerGroup, rank: int) -> str:
+    """The traceback a worker reported before exiting, if any."""
+    store = self.res.store
+    try:
+        if store is not None and store.check([f"error/{rank}"]):
+            return store.get(f"error/{rank}").decode()
+    except Exception:
+        pass
+    return ""
 
-    def _worker_error(self, rank: int) -> str:
-        """The traceback a worker reported before exiting, if any."""
-        store = self.res.store
-        try:
-            if store is not None and store.check([f"error/{rank}"]):
-                return store.get(f"error/{rank}").decode()
-        except Exception:
-            pass
-        return ""
 
-    def dead_worker(self) -> WorkerDiedError | None:
-        """An error naming the first worker that exited (rank, pid, exit code, report), or None."""
-        for rank, p in enumerate(self.res.procs, start=1):
-            if p.exitcode is not None:
-                report = self._worker_error(rank) or self._start_hint(rank, p.exitcode)
-                return WorkerDiedError(
-                    f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                    f"{_signal_name(p.exitcode)}" + (f"; its error:\n{report}" if report else "")
-                )
-        return None
-
-    def _start_hint(self, rank: int, exitcode: int) -> str:
-        """What to do when a spawned worker failed before reaching the rendezvous."""
-        store = self.res.store
-        try:
-            joined = store is None or store.check([f"joined/{rank}"])
-        except Exception:
-            joined = True
-        if joined or exitcode != 1:
-            return ""
-        return (
-            "it failed while starting, before running any nanoengine code (its traceback is on "
-            "stderr). The usual cause: a script that builds a tensor-parallel engine at its top "
-            "level. Each rank is a fresh Python process that imports your script again "
-            "(multiprocessing's 'spawn'), so put the code that builds the engine under "
-            "`if __name__ == \"__main__\":`"
-        )
-
-    def check_alive(self) -> None:
-        """Raise WorkerDiedError if a worker has exited."""
-        if (error := self.dead_worker()) is not None:
-            raise error
-
-    def send(self, message: tuple) -> None:
-        """Hand every worker the next message; on any failure shut the group down and raise."""
-        if self.res.failure is not None:
-            raise RuntimeError(
-                f"the tensor-parallel workers were shut down after an earlier failure: "
-                f"{self.res.failure}"
+@patch
+def dead_worker(self: WorkerGroup) -> WorkerDiedError | None:
+    """An error naming the first worker that exited (rank, pid, exit code, report), or None."""
+    for rank, p in enumerate(self.res.procs, start=1):
+        if p.exitcode is not None:
+            report = self._worker_error(rank) or self._start_hint(rank, p.exitcode)
+            return WorkerDiedError(
+                f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                f"{_signal_name(p.exitcode)}" + (f"; its error:\n{report}" if report else "")
             )
-        if self.res.released:
-            raise RuntimeError("this tensor-parallel engine is closed")
-        try:
-            self.check_alive()
-            self.res.channel.send(message, self.check_alive, TIMEOUT.total_seconds())
-        except BaseException as e:
-            self.failed(e)
-            raise
+    return None
 
-    def failed(self, error: BaseException) -> None:
-        """After an error on rank 0: stop every rank; raise WorkerDiedError if a worker died."""
-        dead = error if isinstance(error, WorkerDiedError) else self.dead_worker()
-        deadline = time.monotonic() + (0 if isinstance(error, KeyboardInterrupt) else 2.0)
-        while dead is None and self.res.procs and time.monotonic() < deadline:
-            time.sleep(POLL_SECONDS / 4)  # a crashed worker fails rank 0's collective
-            dead = self.dead_worker()  # a moment before its exit is reaped
-        self.res.failure = str(dead) if dead is not None else f"{type(error).__name__}: {error}"
-        traceback.clear_frames(error.__traceback__)  # frames of the failed send hold the channel
-        self._finalizer()
-        if dead is not None and dead is not error:
-            raise dead from error
 
-    def close(self) -> None:
-        """Ask the workers to exit, wait, remove the shared memory, leave the group; idempotent."""
-        self._finalizer()
+@patch
+def _start_hint(self: WorkerGroup, rank: int, exitcode: int) -> str:
+    """What to do when a spawned worker failed before reaching the rendezvous."""
+    store = self.res.store
+    try:
+        joined = store is None or store.check([f"joined/{rank}"])
+    except Exception:
+        joined = True
+    if joined or exitcode != 1:
+        return ""
+    return (
+        "it failed while starting, before running any nanoengine code (its traceback is on "
+        "stderr). The usual cause: a script that builds a tensor-parallel engine at its top "
+        "level. Each rank is a fresh Python process that imports your script again "
+        "(multiprocessing's 'spawn'), so put the code that builds the engine under "
+        "`if __name__ == \"__main__\":`"
+    )
+
+
+@patch
+def check_alive(self: WorkerGroup) -> None:
+    """Raise WorkerDiedError if a worker has exited."""
+    if (error := self.dead_worker()) is not None:
+        raise error
+
+# %% ../../notebooks/14a_worker_group.ipynb #f14a0004
+@patch
+def send(self: WorkerGroup, message: tuple) -> None:
+    """Hand every worker the next message; on any failure shut the group down and raise."""
+    if self.res.failure is not None:
+        raise RuntimeError(
+            f"the tensor-parallel workers were shut down after an earlier failure: "
+            f"{self.res.failure}"
+        )
+    if self.res.released:
+        raise RuntimeError("this tensor-parallel engine is closed")
+    try:
+        self.check_alive()
+        self.res.channel.send(message, self.check_alive, TIMEOUT.total_seconds())
+    except BaseException as e:
+        self.failed(e)
+        raise
+
+
+@patch
+def failed(self: WorkerGroup, error: BaseException) -> None:
+    """After an error on rank 0: stop every rank; raise WorkerDiedError if a worker died."""
+    dead = error if isinstance(error, WorkerDiedError) else self.dead_worker()
+    deadline = time.monotonic() + (0 if isinstance(error, KeyboardInterrupt) else 2.0)
+    while dead is None and self.res.procs and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS / 4)  # a crashed worker fails rank 0's collective
+        dead = self.dead_worker()  # a moment before its exit is reaped
+    self.res.failure = str(dead) if dead is not None else f"{type(error).__name__}: {error}"
+    traceback.clear_frames(error.__traceback__)  # frames of the failed send hold the channel
+    self._finalizer()
+    if dead is not None and dead is not error:
+        raise dead from error
+
+
+@patch
+def close(self: WorkerGroup) -> None:
+    """Ask the workers to exit, wait, remove the shared memory, leave the group; idempotent."""
+    self._finalizer()
 
 # %% ../../notebooks/14a_worker_group.ipynb #3bd52a2b
 WATCH_SECONDS = 0.1  # how often rank 0, waiting for a step of several ranks, checks they live
 
 
-class _TensorParallelLaunch(ModelRunner):
-    """The first half of TensorParallelRunner: launching a step on every rank, and its sampling."""
+class TensorParallelRunner(ModelRunner):
+    """One rank's runner among several: rank 0 drives the others (`driver`), the others `serve`."""
 
-    def __init__(self, config: Config, rank: int, local_rank: int | None = None):
-        self.driver: WorkerGroup | None = None  # rank 0's handle on the others, once they run
-        self.share_tokens = False  # rank 0: broadcast every step's tokens (async scheduling)
+    def __init__(
+        self, config: Config, rank: int, local_rank: int | None = None, *,
+        driver: WorkerGroup | None = None, share_tokens: bool = False,
+    ):
+        self.driver: WorkerGroup | None = None  # none while each rank warms up on its own
+        self.share_tokens = share_tokens  # rank 0: broadcast every step's tokens (async scheduling)
         self.sharing = False  # the step being run broadcasts its tokens
         self.shared_tokens: torch.Tensor | None = None  # [B] the last step's tokens, on the device
         super().__init__(config, rank, local_rank)  # warms up: the methods below run already
+        self.driver = driver  # rank 0's handle on the other ranks: every step goes to them now
 
-    @torch.inference_mode()
-    def launch(
-        self, seqs: list[Sequence], is_prefill: bool, *, after: LaunchedStep | None = None,
-        source_rows: list[int] | None = None,
-    ) -> LaunchedStep:
-        """Check the step, hand it to the other ranks, run rank 0's share of it."""
-        self._check_launch(seqs, is_prefill, after, source_rows)
-        self.sharing = self.driver is not None and self.share_tokens
-        if after is not None and self.driver is not None and not self.sharing:
-            raise ValueError(
-                "with several ranks, a step can take its input tokens from a step in flight only "
-                "when share_tokens is on (the tokens must reach every rank's device)"
-            )
+# %% ../../notebooks/14a_worker_group.ipynb #f14a0006
+@patch
+@torch.inference_mode()
+def launch(
+    self: TensorParallelRunner, seqs: list[Sequence], is_prefill: bool, *,
+    after: LaunchedStep | None = None, source_rows: list[int] | None = None,
+) -> LaunchedStep:
+    """Check the step, hand it to the other ranks, run rank 0's share of it."""
+    self._check_launch(seqs, is_prefill, after, source_rows)
+    self.sharing = self.driver is not None and self.share_tokens
+    if after is not None and self.driver is not None and not self.sharing:
+        raise ValueError(
+            "with several ranks, a step can take its input tokens from a step in flight only "
+            "when share_tokens is on (the tokens must reach every rank's device)"
+        )
+    if self.driver is not None:
+        self.driver.send(
+            ("run", seqs, is_prefill, source_rows if after else None, self.sharing)
+        )
+    try:
+        return self._launch(seqs, is_prefill, after, source_rows)
+    except BaseException as e:
         if self.driver is not None:
-            self.driver.send(
-                ("run", seqs, is_prefill, source_rows if after else None, self.sharing)
-            )
-        try:
-            return self._launch(seqs, is_prefill, after, source_rows)
-        except BaseException as e:
-            if self.driver is not None:
-                self.driver.failed(e)  # stops every rank; raises an error naming a dead one
-            raise
+            self.driver.failed(e)  # stops every rank; raises an error naming a dead one
+        raise
 
-    def _sample(
-        self, logits: torch.Tensor | None, batch: SamplingBatch | None, num_seqs: int
-    ) -> torch.Tensor | None:
-        """Rank 0 samples; while `sharing`, every rank receives the tokens on its device."""
-        if self.rank == 0:
-            token_ids = super()._sample(logits, batch, num_seqs)  # [num_seqs] int64
-        elif self.sharing:
-            token_ids = torch.empty(num_seqs, dtype=torch.int64, device=self.device)
-        else:
-            return None
-        if self.sharing:
-            dist.broadcast(token_ids, src=0)
-            self.shared_tokens = token_ids
-        return token_ids if self.rank == 0 else None
 
-    def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch | None:
-        """Sampling settings on rank 0; the other ranks never sample."""
-        return super().prepare_sample(seqs) if self.rank == 0 else None
+@patch
+def _sample(
+    self: TensorParallelRunner, logits: torch.Tensor | None, batch: SamplingBatch | None,
+    num_seqs: int,
+) -> torch.Tensor | None:
+    """Rank 0 samples; while `sharing`, every rank receives the tokens on its device."""
+    if self.rank == 0:
+        token_ids = ModelRunner._sample(self, logits, batch, num_seqs)  # [num_seqs] int64
+    elif self.sharing:
+        token_ids = torch.empty(num_seqs, dtype=torch.int64, device=self.device)
+    else:
+        return None
+    if self.sharing:
+        dist.broadcast(token_ids, src=0)
+        self.shared_tokens = token_ids
+    return token_ids if self.rank == 0 else None
+
+
+@patch
+def prepare_sample(self: TensorParallelRunner, seqs: list[Sequence]) -> SamplingBatch | None:
+    """Sampling settings on rank 0; the other ranks never sample."""
+    return ModelRunner.prepare_sample(self, seqs) if self.rank == 0 else None
 
 # %% ../../notebooks/14a_worker_group.ipynb #3bcacf9d
-class TensorParallelRunner(_TensorParallelLaunch):
-    """One rank's runner among several: rank 0 drives the others (`driver`), the others `serve`."""
-
-    def _wait(self, ready: "torch.cuda.Event") -> None:
-        """Poll until the device passed `ready`, checking every WATCH_SECONDS that no rank died."""
-        if self.driver is None:
-            return super()._wait(ready)
-        check_at = time.monotonic() + WATCH_SECONDS
-        while not ready.query():
-            if time.monotonic() >= check_at:
-                try:
-                    self.driver.check_alive()
-                except BaseException as e:
-                    self.driver.failed(e)
-                    raise
-                check_at = time.monotonic() + WATCH_SECONDS
-            time.sleep(0)  # let other threads run; the GPU is what we wait for
-
-    def close(self) -> None:
-        """Free this rank's memory (its CUDA graphs before the group), then stop the other ranks."""
-        self.shared_tokens = None
-        super().close()
-        driver, self.driver = self.driver, None
-        if driver is not None:
-            driver.close()
-
-    def serve(self, receive: Callable[[], tuple | None]) -> None:
-        """A worker rank's loop: run each step rank 0 sends until ("exit",) or `receive` gives
-        None."""
-        while (message := receive()) is not None and message[0] != "exit":
-            method, *args = message
-            if method != "run":
-                raise ValueError(f"unknown control message {method!r}")
-            seqs, is_prefill, source_rows, self.sharing = args
-            previous = None if source_rows is None else self.shared_tokens
+@patch
+def _wait(self: TensorParallelRunner, ready: "torch.cuda.Event") -> None:
+    """Poll until the device passed `ready`, checking every WATCH_SECONDS that no rank died."""
+    if self.driver is None:
+        return ModelRunner._wait(self, ready)
+    check_at = time.monotonic() + WATCH_SECONDS
+    while not ready.query():
+        if time.monotonic() >= check_at:
             try:
-                self._step(seqs, is_prefill, previous, source_rows)
-            finally:
-                self.step.reset()
+                self.driver.check_alive()
+            except BaseException as e:
+                self.driver.failed(e)
+                raise
+            check_at = time.monotonic() + WATCH_SECONDS
+        time.sleep(0)  # let other threads run; the GPU is what we wait for
+
+
+@patch
+def close(self: TensorParallelRunner) -> None:
+    """Free this rank's memory (its CUDA graphs before the group), then stop the other ranks."""
+    self.shared_tokens = None
+    ModelRunner.close(self)
+    driver, self.driver = self.driver, None
+    if driver is not None:
+        driver.close()
+
+
+@patch
+def serve(self: TensorParallelRunner, receive: Callable[[], tuple | None]) -> None:
+    """A worker rank's loop: run each step rank 0 sends until ("exit",) or `receive` gives
+    None."""
+    while (message := receive()) is not None and message[0] != "exit":
+        method, *args = message
+        if method != "run":
+            raise ValueError(f"unknown control message {method!r}")
+        seqs, is_prefill, source_rows, self.sharing = args
+        previous = None if source_rows is None else self.shared_tokens
+        try:
+            self._step(seqs, is_prefill, previous, source_rows)
+        finally:
+            self.step.reset()
 
 # %% ../../notebooks/14a_worker_group.ipynb #ca78dbac
-def start_tensor_parallel(config: Config, control_plane: str = "shm") -> TensorParallelRunner:
+def start_tensor_parallel(
+    config: Config, control_plane: str = "shm", share_tokens: bool = False
+) -> TensorParallelRunner:
     """Rank 0 of a tensor-parallel engine: start (or join) the other ranks, build its runner."""
     check_tensor_parallel(config)
     group = WorkerGroup(
         config.tensor_parallel_size, config.device, control_plane, serve_model, (config,)
     )
     try:
-        runner = TensorParallelRunner(config, 0, group.local_rank)
+        return TensorParallelRunner(
+            config, 0, group.local_rank, driver=group, share_tokens=share_tokens
+        )
     except BaseException as e:
         group.failed(e)
         raise
-    runner.driver = group
-    return runner
-
