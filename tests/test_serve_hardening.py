@@ -13,8 +13,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from nanoengine import LLM
 from nanoengine.serving.engine_loop import EngineLoop
-from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.serve import create_app, parse_args
 from nanoengine.serving.load import run_rate
 from nanoengine.models.checkpoint import write_random_checkpoint
@@ -155,7 +155,7 @@ def raw_request(url: str, head: bytes, body_parts: list[bytes]) -> bytes:
 
 
 def test_bodies_over_the_limit_are_413(http, url):
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Type: application/json\r\n").encode()
     t0 = time.perf_counter()
     answer = raw_request(url, head + b"Content-Length: 67108864\r\n\r\n", [b'{"model": "tiny", "prompt": "'])
@@ -279,7 +279,7 @@ def test_load_generator_counts_dropped_connections(url):
 
 def test_a_broken_engine_fails_fast_and_health_says_so(ckpt, monkeypatch):
     """In process: the engine's step raises (a failing kernel); nothing hangs, no repr leaks, /health turns 503."""
-    engine_loop = EngineLoop(lambda: LLMEngine(ckpt, **ENGINE_KWARGS))
+    engine_loop = EngineLoop(lambda: LLM(ckpt, **ENGINE_KWARGS))
     try:
         with TestClient(create_app(engine_loop, MODEL), raise_server_exceptions=False) as client:
             assert client.get("/health").status_code == 200
