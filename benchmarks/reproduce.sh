@@ -44,12 +44,8 @@ timeout 300 python3 benchmarks/race_sampler.py "$OUT/race.json" > "$OUT/race.log
 tail -n 8 "$OUT/race.log"
 timeout 300 python3 benchmarks/step_trace.py "$OUT/step_trace.json" > "$OUT/step_trace.log" 2>&1
 tail -n 1 "$OUT/step_trace.log" | cut -c1-160
-# Every rung but "torch attention" (not a speed rung: on the H200 it had not finished after 215 s), each in a fresh
-# process with throughput and batch-1 latency; ablations.json grows after every rung.
-mapfile -t RUNGS < <(python3 -c "from nanoengine.bench import ABLATIONS
-for name in ABLATIONS:
-    if name != 'torch attention':
-        print('--only'); print(name)")
-timeout 1800 python3 -m nanoengine.bench --ablations "${RUNGS[@]}" --out "$OUT/ablations.json" \
-    > "$OUT/ablations.log" 2>&1
+# The ladder: every rung of nanoengine.bench.ABLATIONS but those of ONLY_WHEN_NAMED ("torch attention", not a speed
+# rung), each an engine configuration built in its own fresh process (--rung NAME on its command line), with
+# throughput and batch-1 latency; ablations.json grows after every rung. --only RUNG (repeatable) runs fewer.
+timeout 1800 python3 -m nanoengine.bench --ablations --out "$OUT/ablations.json" > "$OUT/ablations.log" 2>&1
 tail -n 10 "$OUT/ablations.log"

@@ -3,9 +3,9 @@
 # %% auto #0
 __all__ = ['BENCH_PROMPT_TOKENS', 'BENCH_OUTPUT_TOKENS', 'ABLATIONS', 'ONLY_WHEN_NAMED', 'H200_NUM_KV_BLOCKS', 'HOST_PHASES',
            'HOST_SETTINGS', 'bench_workload', 'provenance', 'ensure_checkpoint', 'compiles_inside',
-           'measure_throughput', 'measure_latency', 'measure_decode_sweep', 'measure_step_profile', 'run_ablations',
-           'main', 'HostRunner', 'HostStep', 'fabricated_tokens', 'host_steps', 'host_workload', 'summarize_host',
-           'median_of', 'measure_host', 'host_only']
+           'measure_throughput', 'measure_latency', 'measure_decode_sweep', 'measure_step_profile', 'engine_settings',
+           'rung_command', 'run_ablations', 'main', 'HostRunner', 'HostStep', 'fabricated_tokens', 'host_steps',
+           'host_workload', 'summarize_host', 'median_of', 'measure_host', 'host_only']
 
 # %% ../notebooks/13_benchmarks.ipynb #ffc3dcd6
 import argparse
@@ -28,7 +28,8 @@ from time import perf_counter, perf_counter_ns
 import torch
 from torch._dynamo.utils import counters as dynamo_counters
 
-from .engine.model_runner import _RunnerPacking
+from .config import Optimizations
+from .engine.model_runner import ModelRunner
 from .engine.scheduler import Scheduler
 from .engine.sequence import Sequence
 from .sampling_params import SamplingParams
@@ -65,8 +66,9 @@ def bench_workload(
     return prompts, params
 
 # %% ../notebooks/13_benchmarks.ipynb #4fcb0333
-def provenance() -> dict:
-    """Where and with what a measurement was made."""
+def provenance(commit: str | None = None) -> dict:
+    """Where and with what a measurement was made; `commit` names the package's version where git
+    cannot (a copy of the tree without its history)."""
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -79,20 +81,22 @@ def provenance() -> dict:
         except ImportError:
             info[name] = None
     info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    commit = os.environ.get("NANOENGINE_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).parent,
-                timeout=10,
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            commit = ""
-    info["commit"] = commit or "unknown"
+    info["commit"] = commit or _git_commit() or "unknown"
     return info
+
+
+def _git_commit() -> str:
+    """The commit of the checkout this module runs from ("" outside a git checkout)."""
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _sync() -> None:
@@ -188,6 +192,7 @@ def measure_throughput(
     }
 
 
+# %% ../notebooks/13_benchmarks.ipynb #b0a45fc0
 def measure_latency(llm, prompt_len: int = 100, extra_tokens: int = 512, repeats: int = 3) -> dict:
     """Batch-1 decode: milliseconds per output token beyond the first, best of `repeats`."""
     prompt = list(range(1, prompt_len + 1))
@@ -258,6 +263,7 @@ def measure_decode_sweep(llm, batch_sizes: list[int], context: int = 512, steps:
     return result
 
 
+# %% ../notebooks/13_benchmarks.ipynb #c9deca30
 def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int = 20) -> dict:
     """Where a decode step's time goes: wall time vs GPU kernel time per step (torch.profiler)."""
     from torch.autograd import DeviceType
@@ -301,29 +307,52 @@ def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int =
 
 
 # %% ../notebooks/13_benchmarks.ipynb #e0e03b52
-ABLATIONS = {
+ABLATIONS: dict[str, dict] = {
     "all optimisations": {},
     "no async scheduling": {"async_scheduling": False},
-    "no Triton GEMV": {"env": {"NANOENGINE_GEMV": "0"}},
-    "no Triton decode": {"env": {"NANOENGINE_PAGED_DECODE": "0"}},
-    "no longest-first decode": {"env": {"NANOENGINE_DECODE_ORDER": "0"}},
-    "no split mixed steps": {"env": {"NANOENGINE_SPLIT_MIXED": "0"}},
-    "no prompt steps planned ahead": {"env": {"NANOENGINE_PLAN_PROMPTS": "0"}},
-    "no fused prologues": {"env": {"NANOENGINE_FUSED": "0"}},
-    "no Triton prologue kernels": {"env": {"NANOENGINE_PROLOGUE_KERNELS": "0"}},
-    "no fused RoPE + store": {"env": {"NANOENGINE_ROPE_STORE": "0"}},
-    "no one-pass sampler": {"env": {"NANOENGINE_RACE_KERNEL": "0"}},
-    "no cached activation memory": {"env": {"NANOENGINE_KEEP_ACTIVATIONS": "0"}},
-    "no batched text decode": {"env": {"NANOENGINE_BATCH_DECODE": "0"}},
-    "no one-copy decode inputs": {"env": {"NANOENGINE_ONE_COPY": "0"}},
+    "no Triton GEMV": {"optimizations": Optimizations(triton_gemv=False)},
+    "no Triton decode": {"optimizations": Optimizations(triton_decode=False)},
+    "no longest-first decode": {"optimizations": Optimizations(longest_first_decode=False)},
+    "no split mixed steps": {"optimizations": Optimizations(split_mixed_steps=False)},
+    "no prompt steps planned ahead": {"optimizations": Optimizations(plan_prompt_steps=False)},
+    "no fused prologues": {"optimizations": Optimizations(fused_prologues=False)},
+    "no Triton prologue kernels": {"optimizations": Optimizations(prologue_kernels=False)},
+    "no fused RoPE + store": {"optimizations": Optimizations(fused_rope_store=False)},
+    "no one-pass sampler": {"optimizations": Optimizations(one_pass_sampler=False)},
+    "no cached activation memory": {"optimizations": Optimizations(keep_activation_memory=False)},
+    "no batched text decode": {"optimizations": Optimizations(batch_text_decode=False)},
     "no CUDA graphs": {"enforce_eager": True},
-    "no torch.compile": {"env": {"NANOENGINE_COMPILE": "0"}},
+    "no torch.compile": {"optimizations": Optimizations(torch_compile=False)},
     "no prefix caching": {"enable_prefix_caching": False},
     "torch attention": {"attention_backend": "torch", "gpu_memory_utilization": 0.5},
 }
 # the reference backend, not a speed rung: on the bench workload it had not finished after 215 s on
 # the H200 (section 4), so a ladder runs it only when asked for by name
 ONLY_WHEN_NAMED = ("torch attention",)
+
+
+def engine_settings(engine_kwargs: dict, rung: str = "all optimisations") -> dict:
+    """The LLM(...) keywords of a rung: the run's JSON settings (optimizations as a dict of fields)
+    with the rung's over them."""
+    settings = {**engine_kwargs, **ABLATIONS[rung]}
+    fields = dict(engine_kwargs.get("optimizations", {}))
+    if "optimizations" in ABLATIONS[rung]:
+        fields.update(dict.fromkeys(ABLATIONS[rung]["optimizations"].off(), False))
+    if fields:
+        settings["optimizations"] = Optimizations(**fields)
+    return settings
+
+
+# %% ../notebooks/13_benchmarks.ipynb #e0e03b55
+def rung_command(
+    name: str, model: Path, out: Path, workload: list[str] | None = None, engine_json: str = "{}"
+) -> list[str]:
+    """The command line of a rung's fresh process: the rung by name, the run's JSON settings."""
+    return [
+        sys.executable, "-m", "nanoengine.bench", "--rung", name, "--model", str(model),
+        "--throughput", "--latency", *(workload or []), "--out", str(out),
+        "--engine-json", engine_json,
+    ]
 
 
 def _rung_line(name: str, r: dict) -> str:
@@ -346,22 +375,17 @@ def run_ablations(
     **engine_kwargs,
 ) -> dict:
     """Throughput and batch-1 latency of each rung in a fresh process; each result is printed,
-    kept in out_dir and handed to `progress` (all results so far) as soon as it is known."""
+    kept in out_dir and handed to `progress` (all results so far) as soon as it is known.
+    `engine_kwargs`: the run's JSON settings, under every rung's own."""
     unknown = [name for name in names or [] if name not in ABLATIONS]
     if unknown:
         raise ValueError(f"unknown ablation rung(s) {unknown}; the rungs are {list(ABLATIONS)}")
     results = {}
     for name in names or [name for name in ABLATIONS if name not in ONLY_WHEN_NAMED]:
-        settings = dict(ABLATIONS[name])
-        env = {**os.environ, **settings.pop("env", {})}
         part = out_dir / f"ablation-{len(results)}.json"
-        cmd = [
-            sys.executable, "-m", "nanoengine.bench", "--model", str(model),
-            "--throughput", "--latency", *(workload or []), "--out", str(part),
-            "--engine-json", json.dumps({**engine_kwargs, **settings}),
-        ]
+        cmd = rung_command(name, model, part, workload, json.dumps(engine_kwargs))
         try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             if done.returncode == 0:
                 measured = json.loads(part.read_text())
                 results[name] = {
@@ -411,6 +435,10 @@ def _parser() -> argparse.ArgumentParser:
         help="with --ablations: run only this rung (repeatable)",
     )
     p.add_argument(
+        "--rung", choices=list(ABLATIONS), metavar="RUNG",
+        help="measure the engine of this rung of the ladder (default: all optimisations)",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="decode steps at batch 256 and 1: wall vs GPU kernel time",
@@ -426,9 +454,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-json",
         default="{}",
-        help="extra LLM(...) keywords as JSON, e.g. '{\"enforce_eager\": true}'",
+        help="extra LLM(...) keywords as JSON, e.g. '{\"enforce_eager\": true}' or "
+        "'{\"optimizations\": {\"triton_gemv\": false}}'",
     )
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--commit", help="the package's commit, for the provenance (default: git's)")
     return p
 
 # %% ../notebooks/13_benchmarks.ipynb #f2181d16
@@ -451,6 +481,7 @@ def _measure_engine(llm, args: argparse.Namespace) -> dict:
             "cuda_graphs": getattr(llm.model_runner, "graphs", None) is not None,
             "dtype": str(llm.config.dtype),
             "device": str(llm.config.device),
+            "optimizations_off": llm.config.optimizations.off(),  # the rung's, or []
             "gemv_report": getattr(llm.model_runner, "gemv_report", {}),
             "fused_report": getattr(llm.model_runner, "fused_report", {}),
         }
@@ -499,7 +530,7 @@ def main(argv: list[str] | None = None) -> dict:
     from nanoengine import LLM
 
     engine_kwargs = {"max_model_len": 4096, **json.loads(args.engine_json)}
-    results: dict = {"provenance": provenance(), "engine": engine_kwargs}
+    results: dict = {"provenance": provenance(args.commit), "engine": engine_kwargs}
     if args.host_only:
         results["host_only"] = host_only(args, engine_kwargs)
     if not on_model:
@@ -507,7 +538,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = Path(args.model) if args.model else ensure_checkpoint(args.preset)
     results["model"] = str(model)
     if args.throughput or args.latency or args.decode_sweep or args.profile:
-        llm = LLM(model, **engine_kwargs)
+        llm = LLM(model, **engine_settings(engine_kwargs, args.rung or "all optimisations"))
         results.update(_measure_engine(llm, args))
         del llm
     if args.ablations:
@@ -535,10 +566,10 @@ H200_NUM_KV_BLOCKS = 4390  # the KV pool the engine sized for itself on one H200
 HOST_PHASES = ("schedule", "prepare", "sample", "postprocess")
 
 
-class HostRunner(_RunnerPacking):
+class HostRunner(ModelRunner):
     """The model runner's input packing on the CPU, without a model: its prepare_* methods only."""
 
-    def __init__(self, block_size: int, max_model_len: int):
+    def __init__(self, block_size: int, max_model_len: int):  # no model, KV pool or graphs
         self.device, self.block_size, self.step = torch.device("cpu"), block_size, StepContext()
         # packed as for the GPU's default backend, which attends a mixed step's decode rows apart
         self.split_mixed, self.decode_table_width = True, math.ceil(max_model_len / block_size)
@@ -623,6 +654,7 @@ def summarize_host(steps: list[HostStep]) -> dict:
     return summary
 
 
+# %% ../notebooks/13_benchmarks.ipynb #a61c0e0e
 def median_of(runs: list[dict]) -> dict:
     """Field by field median of equally shaped summaries (nested dicts of numbers)."""
     return {

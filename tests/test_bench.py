@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from nanoengine.bench import BENCH_OUTPUT_TOKENS, BENCH_PROMPT_TOKENS, bench_workload, provenance
+from nanoengine.bench import ABLATIONS, BENCH_OUTPUT_TOKENS, BENCH_PROMPT_TOKENS, bench_workload, provenance
 
 
 def test_workload_reproduces_nano_vllm_exactly():
@@ -23,6 +23,7 @@ def test_help_and_provenance():
     assert done.returncode == 0 and "--throughput" in done.stdout and "--ablations" in done.stdout
     info = provenance()
     assert {"date", "torch", "gpu", "commit", "flash_attn", "triton"} <= set(info)
+    assert provenance("0123abc")["commit"] == "0123abc"  # --commit, where git cannot tell
 
 
 def test_a_scaled_down_run_on_cpu(tmp_path):
@@ -122,3 +123,85 @@ def test_the_ladder_runs_the_reference_backend_only_when_named_and_refuses_unkno
     assert bench.run_ablations(tmp_path, tmp_path, ["torch attention"])["torch attention"]["error"] == "not run"
     with pytest.raises(ValueError, match="unknown ablation rung"):
         bench.run_ablations(tmp_path, tmp_path, ["no such rung"])
+
+
+# --- the ladder: each rung an engine configuration, reaching its fresh process by name -----------------------------
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from nanoengine.bench import ensure_checkpoint
+
+    return ensure_checkpoint("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.parametrize("rung", ABLATIONS)
+def test_every_rung_is_a_valid_engine_configuration(tiny_checkpoint, rung):
+    import dataclasses
+    import inspect
+
+    from nanoengine.bench import engine_settings
+    from nanoengine.config import Config, Optimizations
+    from nanoengine.engine.llm_engine import LLMEngine
+
+    settings = engine_settings({"device": "cpu", "max_model_len": 1024}, rung)
+    arguments = set(inspect.signature(LLMEngine.__init__).parameters) - {"self", "model"}
+    assert set(settings) <= arguments, f"{rung}: not arguments of the engine"
+    fields = {f.name for f in dataclasses.fields(Config)} - {"model", "hf_config"}
+    config = Config(tiny_checkpoint, **{k: v for k, v in settings.items() if k in fields})
+    assert isinstance(config.optimizations, Optimizations)
+    engine_only = {k: v for k, v in settings.items() if k not in fields}
+    assert engine_only in ({}, {"async_scheduling": False})
+    switched = len(config.optimizations.off()) + (not config.enable_prefix_caching) + config.enforce_eager
+    assert switched + len(engine_only) == (rung not in ("all optimisations", "torch attention"))
+
+
+def test_a_rung_builds_its_engine(tiny_checkpoint):
+    from nanoengine import LLM
+    from nanoengine.bench import engine_settings
+
+    llm = LLM(tiny_checkpoint, **engine_settings({"device": "cpu", "max_model_len": 256}, "no Triton GEMV"))
+    assert llm.config.optimizations.off() == ["triton_gemv"]  # built, the workload not run
+    llm.close()
+
+
+def test_the_ladder_covers_every_optimisation():
+    from nanoengine.bench import ABLATIONS
+    from nanoengine.config import Optimizations
+
+    off = [f for r in ABLATIONS.values() if "optimizations" in r for f in r["optimizations"].off()]
+    assert sorted(off) == sorted(Optimizations.__dataclass_fields__)
+    assert "no one-copy decode inputs" not in ABLATIONS  # history: its numbers stay in h200.json
+
+
+def test_a_rung_reaches_its_child_by_name_only(tmp_path, monkeypatch):
+    import inspect
+
+    import nanoengine.bench as bench
+
+    calls = []
+
+    def not_run(cmd, **kwargs):
+        calls.append((cmd, kwargs))
+        return subprocess.CompletedProcess(cmd, 1, "", "not run")
+
+    monkeypatch.setattr(bench.subprocess, "run", not_run)
+    bench.run_ablations(tmp_path, tmp_path, ["no Triton GEMV", "no CUDA graphs"], device="cpu")
+    for (cmd, kwargs), name in zip(calls, ["no Triton GEMV", "no CUDA graphs"]):
+        assert "env" not in kwargs  # the child inherits this process's environment, unchanged
+        assert cmd[cmd.index("--rung") + 1] == name and not any("NANOENGINE_" in part for part in cmd)
+        assert json.loads(cmd[cmd.index("--engine-json") + 1]) == {"device": "cpu"}
+        args = bench._parser().parse_args(cmd[3:])
+        assert args.rung == name and args.throughput and args.latency
+    assert "NANOENGINE_" not in inspect.getsource(bench)  # no environment variable chooses a path
+
+
+def test_engine_json_optimizations_combine_with_a_rung():
+    from nanoengine.bench import engine_settings
+    from nanoengine.config import Optimizations
+
+    run = {"optimizations": {"fused_prologues": False}}
+    assert engine_settings(run)["optimizations"] == Optimizations(fused_prologues=False)
+    both = engine_settings(run, "no fused RoPE + store")["optimizations"]
+    assert both == Optimizations(fused_prologues=False, fused_rope_store=False)
+    with pytest.raises(TypeError, match="no_such"):
+        engine_settings({"optimizations": {"no_such": False}})
