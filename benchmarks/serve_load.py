@@ -1,4 +1,4 @@
-"""Latency under load for chapter 16c: TTFT and ITL against the offered request rate, on a GPU machine.
+"""Latency under load for section 15.3: TTFT and ITL against the offered request rate, on a GPU machine.
 
 Starts `python -m nanoengine.serve` on the benchmark model (random-weight Qwen3-0.6B unless --model is given),
 sweeps offered request rates with open-loop Poisson arrivals (nanoengine.serving.load), and writes JSON with its
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nanoengine.bench import ensure_checkpoint, provenance  # noqa: E402
-from nanoengine.serving.load import run_rate, saturation_rate  # noqa: E402
+from nanoengine.serving.load import report, run_rate, saturation_rate  # noqa: E402
 from nanoengine.utils.dist import free_port  # noqa: E402
 
 
@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", help="checkpoint directory (default: random-weight --preset)")
     p.add_argument("--preset", default="qwen3-0.6b")
     p.add_argument("--rates", default="1,2,4,8,16,32,48,64,96,128,192,256",
-                   help="offered requests per second, comma-separated")
+                   help="offered requests per second, comma-separated (up to 256 and beyond)")
+    p.add_argument("--stop-after-ttft", type=float, default=30.0, metavar="S",
+                   help="skip the higher rates once the median TTFT passes S seconds")
     p.add_argument("--seconds", type=float, default=15.0, help="arrival window per rate")
     p.add_argument("--min-requests", type=int, default=32)
     p.add_argument("--max-requests", type=int, default=3000)
@@ -57,6 +59,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--server-args", default="--max-model-len 4096",
                    help="extra flags for python -m nanoengine.serve")
     args = p.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    if not all(r > 0 for r in rates):
+        p.error(f"--rates must be positive numbers, got {args.rates}")
     model = Path(args.model) if args.model else ensure_checkpoint(args.preset)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -73,16 +78,13 @@ def main(argv: list[str] | None = None) -> dict:
         asyncio.run(run_rate(url, "bench", 8, 32, args.prompt_len, args.max_tokens, args.vocab_size,
                              seed=999))  # warm-up
         points = []
-        for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+        for i, rate in enumerate(rates):
             n = int(min(args.max_requests, max(args.min_requests, rate * args.seconds)))
             point = asyncio.run(run_rate(url, "bench", rate, n, args.prompt_len, args.max_tokens,
                                          args.vocab_size, seed=i))
             points.append(point)
-            print(f"rate {rate:6.1f}/s: achieved {point['achieved_rate']:6.1f}/s, "
-                  f"{point['output_tokens_per_s']:8.0f} tok/s, TTFT p50 {point['ttft_p50'] * 1e3:8.1f} ms "
-                  f"p90 {point['ttft_p90'] * 1e3:8.1f} ms, ITL p50 {point['itl_p50'] * 1e3:6.2f} ms "
-                  f"p90 {point['itl_p90'] * 1e3:6.2f} ms", flush=True)
-            if point["ttft_p50"] > 30 or point["num_ok"] < point["num_requests"]:
+            print(report(point), flush=True)  # failed requests counted, the sweep goes on
+            if point["ttft_p50"] is not None and point["ttft_p50"] > args.stop_after_ttft:
                 break  # deep past saturation: the next rates only queue longer
         stats = httpx.get(url + "/stats", timeout=30).json()
     finally:
@@ -98,7 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
                            "client": "httpx on the same machine, streamed, ignore_eos"},
               "points": points, "saturation_rate": saturation_rate(points), "final_stats": stats}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"saturation at {result['saturation_rate']} requests/s; wrote {args.out}", flush=True)
+    num_failed = sum(point["num_failed"] for point in points)
+    print(f"saturation at {result['saturation_rate']} requests/s; {num_failed} requests failed; "
+          f"wrote {args.out}", flush=True)
     return result
 
 

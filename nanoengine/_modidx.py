@@ -969,6 +969,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                 'nanoengine.serving.engine_loop.tokenize_prompts': ( 'serve.html#tokenize_prompts',
                                                                                                      'nanoengine/serving/engine_loop.py')},
             'nanoengine.serving.load': { 'nanoengine.serving.load.percentile': ('serve_load.html#percentile', 'nanoengine/serving/load.py'),
+                                         'nanoengine.serving.load.report': ('serve_load.html#report', 'nanoengine/serving/load.py'),
                                          'nanoengine.serving.load.run_rate': ('serve_load.html#run_rate', 'nanoengine/serving/load.py'),
                                          'nanoengine.serving.load.saturation_rate': ( 'serve_load.html#saturation_rate',
                                                                                       'nanoengine/serving/load.py'),
