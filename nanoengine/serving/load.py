@@ -69,11 +69,11 @@ def report(point: dict) -> str:
     """One rate's line: achieved rate, tok/s, TTFT and ITL (ms), and the failed requests."""
     ms = [point[key] for key in ("ttft_p50", "ttft_p90", "itl_p50", "itl_p90")]
     ttft50, ttft90, itl50, itl90 = ("-" if v is None else f"{v * 1e3:.1f}" for v in ms)
-    return (f"rate {point['rate']:6g}/s: achieved {point['achieved_rate']:6.1f}/s, "
-            f"{point['output_tokens_per_s']:7.0f} tok/s, TTFT {ttft50}/{ttft90} ms, "
-            f"ITL {itl50}/{itl90} ms, {point['num_failed']} of {point['num_requests']} failed")
+    return (f"rate {point['rate']:4g}/s: achieved {point['achieved_rate']:5.1f}/s, "
+            f"{point['output_tokens_per_s']:5.0f} tok/s, TTFT {ttft50}/{ttft90} ms, "
+            f"ITL {itl50}/{itl90} ms, {point['num_failed']}/{point['num_requests']} failed")
 
-# %% ../../notebooks/15c_serve_load.ipynb #0aaebdb5
+# %% ../../notebooks/15c_serve_load.ipynb #319fff26
 async def run_rate(url: str, model: str, rate: float, num_requests: int, prompt_len: int,
                    max_tokens: int, vocab_size: int, seed: int = 0) -> dict:
     """Offer `rate` requests per second (Poisson arrivals) until `num_requests` were sent."""
