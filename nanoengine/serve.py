@@ -56,7 +56,7 @@ except ImportError as e:
 
 _log = logging.getLogger(__name__)
 
-# %% ../notebooks/15b_server.ipynb #d3d0a55e
+# %% ../notebooks/15b_server.ipynb #960224d5
 class Call:
     """One HTTP request's view of the engine loop: its events arrive in an asyncio queue."""
 
@@ -95,7 +95,7 @@ class Call:
         self.token_times = [None] * len(event.num_prompt_tokens)
         self.num_open = len(self.num_tokens)
 
-# %% ../notebooks/15b_server.ipynb #57314c75
+# %% ../notebooks/15b_server.ipynb #abc271a7
 @patch
 async def deltas(self: Call):
     """The request's Deltas until every sequence has finished; Failed raises ApiError."""
@@ -210,7 +210,7 @@ def check_content_type(request: Request) -> None:
         raise ApiError(f"Content-Type must be application/json, got {brief(media_type or None)}",
                        status=415, code="unsupported_media_type")
 
-# %% ../notebooks/15b_server.ipynb #ad72cad4
+# %% ../notebooks/15b_server.ipynb #cee9cc90
 MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes: the largest request body read (413 past it)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800 to \udfff, as JSON writes them
 
@@ -256,7 +256,7 @@ async def read_json(request: Request, max_bytes: int):
     check_content_type(request)
     return parse_json(await read_body(request, max_bytes))
 
-# %% ../notebooks/15b_server.ipynb #4ee05691
+# %% ../notebooks/15b_server.ipynb #f628fa99
 def max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
     """The most characters that `max_model_len` tokens can spell (None without a tokenizer)."""
     if tokenizer is None:
@@ -291,7 +291,7 @@ class Tokenizing:
             self.local.tokenizer = copy.deepcopy(self.tokenizer)
         return fn(self.local.tokenizer, *args)
 
-# %% ../notebooks/15b_server.ipynb #ecd83a00
+# %% ../notebooks/15b_server.ipynb #212e65d7
 HEADER_TIMEOUT_S = 10.0  # --header-timeout: a request's headers must arrive within this
 BODY_TIMEOUT_S = 30.0  # --body-timeout: and its body within this, after the headers
 
@@ -332,7 +332,7 @@ class TimedH11Protocol(H11Protocol):
         self._arm(None)
         super().connection_lost(exc)
 
-# %% ../notebooks/15b_server.ipynb #84a60af8
+# %% ../notebooks/15b_server.ipynb #86745825
 @patch
 def _watch(self: TimedH11Protocol, data_came: bool) -> None:
     """Arm the deadline for what the connection awaits now: headers, a body, or nothing."""
@@ -366,13 +366,13 @@ def _expire(self: TimedH11Protocol) -> None:
     self.deadline = None
     self.transport.close()
 
-# %% ../notebooks/15b_server.ipynb #c0378522
+# %% ../notebooks/15b_server.ipynb #961eded0
 def host_name(header: str) -> str:
     """The host of a Host header, lower case, without its port: `[::1]:8000` is `::1`."""
     header = header.strip().lower()
     if header.startswith("[") and "]" in header:
         return header[1:header.index("]")]
-    name, colon, port = header.rpartition(":")
+    name, colon, port = header.partition(":")  # an address like ::1 has more colons: no port
     return (name if colon and port.isdigit() else header).rstrip(".")
 
 
@@ -402,7 +402,7 @@ def check_host(request: Request, allowed: frozenset[str] | None) -> None:
         raise ApiError(f"this server does not answer for the host {brief(host)} "
                        "(see --allowed-hosts)", status=421, code="misdirected_request")
 
-# %% ../notebooks/15b_server.ipynb #5098a7f8
+# %% ../notebooks/15b_server.ipynb #4e39c306
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # seconds, up to a deep queue's wait
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
@@ -433,7 +433,7 @@ class Metrics:
         self.kv_usage = Gauge("nanoengine:kv_cache_usage_perc", "Fraction of KV blocks in use",
                               **into)
 
-# %% ../notebooks/15b_server.ipynb #c7a5d3bf
+# %% ../notebooks/15b_server.ipynb #7406077f
 @patch
 def observe_tokens(self: Metrics, ttft: float | None, itl: float | None, num_tokens: int) -> None:
     """New tokens of a request: its TTFT if they are its first, the ITL of each one after that."""
@@ -520,7 +520,7 @@ def serve_model(engine_loop: EngineLoop, name: str,
     return ServedModel(engine_loop, name, max_model_len, vocab_size, Tokenizing(tokenizer),
                        max_prompt_chars(tokenizer, max_model_len), max_body_bytes)
 
-# %% ../notebooks/15b_server.ipynb #2d86e477
+# %% ../notebooks/15b_server.ipynb #0c38a307
 def create_app(engine_loop: EngineLoop, served_model_name: str, *, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES,
                allowed_hosts: frozenset[str] | None = None) -> FastAPI:
@@ -567,7 +567,7 @@ def add_info_routes(app: FastAPI, served: ServedModel) -> None:
             served.metrics.read_engine(await asyncio.wrap_future(engine_loop.call(engine_stats)))
         return Response(served.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-# %% ../notebooks/15b_server.ipynb #a308e157
+# %% ../notebooks/15b_server.ipynb #37e78a5b
 async def collect(call: Call, chat: bool, model: str) -> dict:
     """A whole (not streamed) response."""
     n = len(call.num_tokens)
@@ -595,7 +595,7 @@ async def parse_generation(request: Request, served: ServedModel, chat: bool) ->
         raise ApiError("the request body is nested too deeply") from None
     return replace(parsed, submission=await served.tokenizing(parsed.submission))
 
-# %% ../notebooks/15b_server.ipynb #7422c09a
+# %% ../notebooks/15b_server.ipynb #753ffae6
 def add_generation_routes(app: FastAPI, served: ServedModel) -> None:
     """POST /v1/completions and /v1/chat/completions, streamed or whole."""
 
@@ -632,7 +632,7 @@ def add_generation_routes(app: FastAPI, served: ServedModel) -> None:
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
-# %% ../notebooks/15b_server.ipynb #78521726
+# %% ../notebooks/15b_server.ipynb #ac55bbb5
 def tokenize_text(tokenizer, request: TokenizeRequest) -> tuple[list[int], list[str] | None]:
     """The token ids of a /tokenize request, and their strings if it asks for them."""
     if tokenizer is None:
@@ -718,7 +718,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     return kwargs | ({"enforce_eager": True} if args.enforce_eager else {})
 
-# %% ../notebooks/15b_server.ipynb #8673ce8c
+# %% ../notebooks/15b_server.ipynb #b0e6c72f
 class Server(uvicorn.Server):
     """uvicorn's server; a stop signal also stops the engine loop, at once or after a drain."""
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from nanoengine import LLM, SamplingParams
 from nanoengine.models.checkpoint import write_random_checkpoint
@@ -340,3 +341,173 @@ def test_sigterm_stops_the_server_and_its_tensor_parallel_workers(ckpt, tmp_path
         time.sleep(0.1)
     assert not Path(f"/proc/{workers[0]}").exists(), "the worker outlived the server"
     stream.close()
+
+
+def test_a_host_header_that_names_another_machine_is_421(client, url):
+    """DNS rebinding: a page of evil.example whose name now points at 127.0.0.1 still sends its own Host."""
+    port = url.rsplit(":", 1)[1]
+    rebound = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30,
+                            default_headers={"Host": f"evil.example:{port}"})
+    with pytest.raises(openai.APIStatusError) as e:
+        rebound.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert e.value.status_code == 421 and e.value.body["code"] == "misdirected_request"
+    for path in ("/health", "/v1/models", "/metrics", "/stats"):
+        r = httpx.get(url + path, headers={"Host": "evil.example"}, timeout=30)
+        assert r.status_code == 421 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "api.localhost"):
+        assert httpx.get(url + "/v1/models", headers={"Host": host}, timeout=30).status_code == 200
+    assert client.models.list().data[0].id == MODEL  # the client's own Host, 127.0.0.1:port
+
+
+def test_tokenize_and_detokenize(client, url, llm):
+    text = httpx.post(url + "/tokenize", json={"prompt": "Hello, my name is", "return_token_strs": True},
+                      timeout=30).json()
+    ids = llm.tokenizer.encode("Hello, my name is")
+    assert text == {"count": len(ids), "max_model_len": 512, "tokens": ids,
+                    "token_strs": llm.tokenizer.convert_ids_to_tokens(ids)}
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    counted = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": MESSAGES}, timeout=30).json()
+    assert counted["count"] == chat.usage.prompt_tokens and "token_strs" not in counted
+    expected = llm.chat(MESSAGES, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert counted["tokens"] == expected["prompt_token_ids"]
+    bare = httpx.post(url + "/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False},
+                      timeout=30).json()
+    assert bare["count"] < counted["count"] and counted["tokens"][:bare["count"]] == bare["tokens"]
+    back = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": ids}, timeout=30).json()
+    assert back == {"prompt": "Hello, my name is"}
+    assert httpx.post(url + "/detokenize", json={"tokens": []}, timeout=30).json() == {"prompt": ""}
+
+
+TOKENIZE_BAD = [
+    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+    ("/tokenize", {"prompt": "x", "truncate": 3}, 400, "truncate"),
+    ("/tokenize", {"prompt": "x" * 10_000}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0]"),
+    ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/detokenize", {"tokens": [1, 384]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, 400, "skip_special_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", TOKENIZE_BAD, ids=[f"{p}-{i}" for i, (_, _, _, p)
+                                                                     in enumerate(TOKENIZE_BAD)])
+def test_tokenize_refusals_are_openai_errors(url, path, body, status, param):
+    r = httpx.post(url + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def metric(url: str, name: str, labels: tuple = ()) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}.get((name, labels), 0.0)
+
+
+def wait_metric(url: str, name: str, labels: tuple, expected: float) -> None:
+    """A streamed request is counted when the server has closed its response: poll briefly."""
+    deadline = time.monotonic() + 5
+    while metric(url, name, labels) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert metric(url, name, labels) == expected, (name, labels, metric(url, name, labels), expected)
+
+
+def test_metrics_count_outcomes_latencies_and_the_engine(client, url):
+    r = httpx.get(url + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    outcome = {o: ("nanoengine:requests_total", (("outcome", o),)) for o in
+               ("finished", "rejected", "failed", "cancelled")}
+    before = {o: metric(url, *key) for o, key in outcome.items()}
+    ttft_before = metric(url, "nanoengine:time_to_first_token_seconds_count")
+    itl_before = metric(url, "nanoengine:inter_token_latency_seconds_count")
+    tokens_before = metric(url, "nanoengine:generation_tokens_total")
+    whole = client.completions.create(model=MODEL, prompt="count me", max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert len(list(client.completions.create(model=MODEL, prompt="and me", max_tokens=20, stream=True,
+                                              extra_body={"ignore_eos": True}))) >= 1
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)  # running: the engine's gauges say so
+        assert metric(url, "nanoengine:num_requests_running") == 1
+        assert 0 < metric(url, "nanoengine:kv_cache_usage_perc") < 1
+    wait_metric(url, *outcome["cancelled"], before["cancelled"] + 1)
+    wait_metric(url, *outcome["finished"], before["finished"] + 2)
+    assert metric(url, *outcome["rejected"]) == before["rejected"] + 1
+    assert metric(url, *outcome["failed"]) == before["failed"]
+    assert metric(url, "nanoengine:time_to_first_token_seconds_count") == ttft_before + 3
+    generated = metric(url, "nanoengine:generation_tokens_total") - tokens_before
+    assert generated >= 40 + 1 and whole.usage.completion_tokens == 20
+    gaps = metric(url, "nanoengine:inter_token_latency_seconds_count") - itl_before
+    assert 2 * 19 - 2 <= gaps <= generated - 3  # one a token after each request's first
+    s = wait_all_blocks_free(url)
+    assert s["num_running"] == 0
+    assert metric(url, "nanoengine:num_requests_running") == metric(url, "nanoengine:kv_cache_usage_perc") == 0
+
+
+def read_events(r: httpx.Response) -> list[str]:
+    return [line for line in r.iter_lines() if line]
+
+
+def test_shutdown_timeout_drains_requests_in_flight_then_stops_the_rest(ckpt, tmp_path):
+    """--shutdown-timeout: SIGTERM stops accepting, lets what is in flight finish for up to S seconds, then fails it."""
+    servers = {}
+    for name, seconds in (("drain", "20"), ("cut", "1")):  # started side by side: both load at once
+        port = free_port()
+        log = open(tmp_path / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "nanoengine.serve", str(ckpt), "--port", str(port),
+                                 "--served-model-name", MODEL, *ENGINE_FLAGS, "--shutdown-timeout", seconds],
+                                stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+        servers[name] = (proc, f"http://127.0.0.1:{port}")
+    try:
+        for proc, url in servers.values():
+            deadline = time.monotonic() + 120
+            while not healthy(url):
+                assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.2)
+        # a request that finishes within the drain: it ends normally, and nothing new gets in meanwhile
+        proc, url = servers["drain"]
+        body = {"model": MODEL, "prompt": "finish", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(url + "/health", timeout=2)
+            rest = [line for line in lines if line]
+        assert proc.wait(timeout=20) == 0 and time.monotonic() - t0 < 15
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        # 64 sequences of 480 tokens, eight at a time in the KV cache: far more than one second's work
+        proc, url = servers["cut"]
+        body = {"model": MODEL, "prompt": "forever", "max_tokens": 480, "n": 64, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        stopped = time.monotonic() - t0
+        assert proc.wait(timeout=20) == 0
+        assert rest[-1] == "data: [DONE]" and "shutting down" in json.loads(rest[-2][6:])["error"]["message"]
+        assert 0.9 < stopped < 8, f"the stream ended {stopped:.1f} s after SIGTERM"
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

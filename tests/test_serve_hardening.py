@@ -15,13 +15,14 @@ from fastapi.testclient import TestClient
 
 from nanoengine import LLM
 from nanoengine.serving.engine_loop import EngineLoop
-from nanoengine.serve import create_app, parse_args
+from nanoengine.serve import create_app, host_allowlist, parse_args
 from nanoengine.serving.load import run_rate
 from nanoengine.models.checkpoint import write_random_checkpoint
 from test_serve import ENGINE_KWARGS, MODEL, start_server, stop
 
 KEY = "sk-test-0123"
 MAX_BODY = 1 << 20  # --max-body-bytes for this server: 1 MiB
+HEADER_S, BODY_S = 1.0, 2.0  # --header-timeout and --body-timeout for this server
 AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {"Content-Type": "application/json"}
 REPR = re.compile(r"\b\w*(Error|Exception)\(|Traceback|<class |0x[0-9a-f]{6,}")
@@ -34,11 +35,16 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def url(ckpt, tmp_path_factory):
+def server_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("log") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def url(ckpt, server_log):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("NANOENGINE_API_KEY", KEY)  # the key comes from the environment, not a flag
-        proc, url = start_server(ckpt, tmp_path_factory.mktemp("log") / "server.log",
-                                 "--max-body-bytes", str(MAX_BODY))
+        proc, url = start_server(ckpt, server_log, "--max-body-bytes", str(MAX_BODY),
+                                 "--header-timeout", str(HEADER_S), "--body-timeout", str(BODY_S))
     yield url
     stop(proc)
 
@@ -317,3 +323,95 @@ def test_a_broken_engine_fails_fast_and_health_says_so(ckpt, monkeypatch):
             assert health.status_code == 503 and "Error" not in health.json()["error"]["message"]
     finally:
         engine_loop.close()
+
+
+def read_until_closed(s: socket.socket) -> bytes:
+    answer = b""
+    while chunk := s.recv(65536):
+        answer += chunk
+    return answer
+
+
+def test_half_sent_requests_get_408_and_are_closed_without_a_traceback(http, url, server_log):
+    """Before: six half-sent requests were all still open after 30 s, and each logged a ClientDisconnect traceback."""
+    host, port = url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n").encode()
+    halves = {"nothing": (b"", HEADER_S), "half a request line": (b"POST /v1/comp", HEADER_S),
+              "headers without their end": (head, HEADER_S), "no body": (head + b"\r\n", BODY_S),
+              "half a body": (head + b'\r\n{"model": "tiny", ', BODY_S),
+              "half a GET": (b"GET /health HTTP/1.1\r\nHost: localhost\r\n", HEADER_S)}
+    t0 = time.monotonic()
+    sockets = {}
+    for name, (data, _) in halves.items():
+        sockets[name] = socket.create_connection((host, int(port)), timeout=10)
+        sockets[name].sendall(data)
+    for name, s in sockets.items():
+        with s:
+            answer = read_until_closed(s)
+            seconds = time.monotonic() - t0
+        limit = halves[name][1]
+        assert answer.startswith(b"HTTP/1.1 408"), (name, answer[:200])
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+        assert seconds < limit + 2, f"{name}: closed after {seconds:.1f} s"
+    assert time.monotonic() - t0 >= BODY_S - 0.1  # the body's deadline is the later one
+    assert_serving(http)
+    log = server_log.read_text()
+    assert "Traceback" not in log and "ClientDisconnect" not in log, log[-2000:]
+
+
+def test_slow_but_steady_requests_within_the_deadlines_are_served(url):
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(OK).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    pieces = [head[:20], head[20:60], head[60:]] + [body[i:i + 8] for i in range(0, len(body), 8)]
+    gap = 0.8 * BODY_S / len(pieces)  # the headers within HEADER_S, the body within BODY_S
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        for piece in pieces:
+            s.sendall(piece)
+            time.sleep(gap)
+        answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        time.sleep(0.5)  # kept alive: the next request's headers get their own deadline
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        late = read_until_closed(s)
+    assert late.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < HEADER_S + 2
+
+
+def test_new_routes_need_the_key_and_refuse_bad_bodies(http, url):
+    bare = httpx.Client(base_url=url, timeout=30)
+    for method, path in (("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize")):
+        r = bare.request(method, path, json={"prompt": "x"} if method == "POST" else None)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert http.get("/metrics").status_code == 200
+    assert http.post("/tokenize", json={"prompt": "hi"}).json()["count"] > 0
+    r = http.post("/tokenize", content=b'{"prompt": "hi"}', headers={"Content-Type": "text/plain"})
+    assert_error(r, 0.0, 415)
+    assert_error(*timed(http, "/tokenize", raw=MALFORMED["array 100k deep"]), 400)
+    assert_error(*timed(http, "/detokenize", body={"tokens": [2**64]}), 400, "tokens")
+    big = {"prompt": "word " * 200_000}  # past max_model_len's characters: refused before tokenizing
+    assert assert_error(*timed(http, "/tokenize", body=big), 400, "prompt")["code"] \
+        == "context_length_exceeded"
+
+
+def test_allowed_hosts_in_process(ckpt):
+    engine_loop = EngineLoop(lambda: LLM(ckpt, **ENGINE_KWARGS))
+    try:
+        allowed = host_allowlist("127.0.0.1", ["llm.example"])
+        app = create_app(engine_loop, MODEL, allowed_hosts=allowed)
+        for base, status in (("http://llm.example", 200), ("http://localhost:8000", 200),
+                             ("http://127.0.0.1", 200), ("http://evil.example", 421),
+                             ("http://llm.example.evil.example", 421)):
+            with TestClient(app, base_url=base) as client:
+                r = client.get("/v1/models")
+                assert r.status_code == status, (base, r.text)
+        with TestClient(create_app(engine_loop, MODEL, allowed_hosts=host_allowlist("0.0.0.0", [])),
+                        base_url="http://anything.example") as client:
+            assert client.get("/v1/models").status_code == 200  # a public bind, no list: any host
+    finally:
+        engine_loop.close()
+    args = parse_args(["m", "--host", "0.0.0.0", "--allowed-hosts", "a.example", "B.example."])
+    assert host_allowlist(args.host, args.allowed_hosts) == {"a.example", "b.example"}
+    assert host_allowlist("::1", []) == frozenset() and host_allowlist("localhost", ["*"]) is None
