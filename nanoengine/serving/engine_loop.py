@@ -106,7 +106,7 @@ def check_sampling(seqs: list[Sequence]) -> None:
         if values is not None and not bool(torch.isfinite(values).all()):
             raise ValueError(f"the sampling settings do not fit the sampler's tensors: {name}")
 
-# %% ../../notebooks/15_serve.ipynb #5cb95e55
+# %% ../../notebooks/15_serve.ipynb #9321924f
 def admit(engine: LLMEngine, submission: Submission) -> list[Sequence]:
     """Tokenize (unless already done) and check every prompt and its sampling settings, then queue
     its sequences (all or none)."""
@@ -254,7 +254,7 @@ def _answer(command: tuple, message: str) -> None:
     elif kind == "call" and not args[1].done():
         args[1].set_exception(RuntimeError(message))
 
-# %% ../../notebooks/15_serve.ipynb #73d1f4e7
+# %% ../../notebooks/15_serve.ipynb #dbcbcaa4
 @patch
 def _main(self: EngineLoop, make_engine: Callable[[], LLMEngine]) -> None:
     """The engine thread: build the engine, then take commands and step until told to stop."""
@@ -302,7 +302,7 @@ def _take_commands(self: EngineLoop, engine: LLMEngine, live: dict[int, LiveRequ
             return False
         wait = False
 
-# %% ../../notebooks/15_serve.ipynb #4d595115
+# %% ../../notebooks/15_serve.ipynb #52f4b9ea
 @patch
 def _shut(self: EngineLoop, engine: LLMEngine, live: dict[int, LiveRequest]) -> None:
     """Close the inbox, fail the open requests, answer what is still queued, close the engine."""

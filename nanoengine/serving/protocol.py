@@ -120,7 +120,7 @@ def parse_stop(stop) -> tuple[str, ...]:
                        "stop")
     return tuple(stops)
 
-# %% ../../notebooks/15a_openai_protocol.ipynb #e6ad5996
+# %% ../../notebooks/15a_openai_protocol.ipynb #ec4de180
 def parse_sampling(body: dict, max_tokens_field: str, default_max_tokens: int) -> SamplingParams:
     """SamplingParams from the request, each field checked alone so that an error names it."""
     values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
@@ -228,7 +228,7 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
 
-# %% ../../notebooks/15a_openai_protocol.ipynb #54f11a51
+# %% ../../notebooks/15a_openai_protocol.ipynb #602e3d2a
 TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt", "return_token_strs")
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", *TOKENIZE_FLAGS})
 
