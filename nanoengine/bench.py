@@ -327,7 +327,7 @@ ABLATIONS: dict[str, dict] = {
     "torch attention": {"attention_backend": "torch", "gpu_memory_utilization": 0.5},
 }
 # the reference backend, not a speed rung: on the bench workload it had not finished after 215 s on
-# the H200 (section 4), so a ladder runs it only when asked for by name
+# the H200 (section 7), so a ladder runs it only when asked for by name
 ONLY_WHEN_NAMED = ("torch attention",)
 
 
@@ -562,7 +562,7 @@ def _write(results: dict, out: str | None) -> dict:
     return results
 
 # %% ../notebooks/13_benchmarks.ipynb #a61c0e02
-H200_NUM_KV_BLOCKS = 4390  # the KV pool the engine sized for itself on one H200 (h200.json)
+H200_NUM_KV_BLOCKS = 4430  # the KV pool the engine sized for itself on one H200 (h200.json)
 HOST_PHASES = ("schedule", "prepare", "sample", "postprocess")
 
 
@@ -698,7 +698,7 @@ def host_only(args: argparse.Namespace, engine_kwargs: dict) -> dict:
           f"median of {r['repeats']} runs")
     for kind in ("prefill", "decode"):
         s = r[kind]
-        phases = ", ".join(f"{name} {s[f'{name}_us']:.1f}" for name in HOST_PHASES)
+        phases = ", ".join(f"{name} {s[f'{name}_us']:.0f}" for name in HOST_PHASES)
         print(f"  {kind}: {s['steps']} steps, {s['us_per_step']:.1f} us a step ({phases})")
     return r
 

@@ -68,11 +68,22 @@ def test_host_only_reproduces_the_full_workload_and_the_gpu_runs_schedule():
 
     r = measure_host(repeats=1)
     assert r["output_tokens"] == BENCH_OUTPUT_TOKENS == 133_966
-    # benchmarks/h200.json: the engine on one H200 (its pool of 4,390 blocks) ran 9 prefill and 1,023 decode steps
+    # benchmarks/h200.json: the engine on one H200 (its pool of H200_NUM_KV_BLOCKS) ran 9 prefill and 1,023 decode steps
     assert (r["prefill"]["steps"], r["decode"]["steps"], r["preemptions"]) == (9, 1023, 0)
     for kind in ("prefill", "decode"):
         phases = sum(r[kind][f"{p}_us"] for p in ("schedule", "prepare", "sample", "postprocess"))
         assert r[kind]["us_per_step"] > 0 and abs(r[kind]["us_per_step"] - phases) < 1e-6
+
+
+def test_the_host_only_pool_is_the_h200_runs():
+    from pathlib import Path
+
+    from nanoengine.bench import H200_NUM_KV_BLOCKS
+
+    h200 = json.loads((Path(__file__).parents[1] / "benchmarks" / "h200.json").read_text())
+    assert H200_NUM_KV_BLOCKS == h200["engine_info"]["num_kvcache_blocks"]
+    steps = (h200["throughput"]["prefill_steps"], h200["throughput"]["decode_steps"], h200["throughput"]["preemptions"])
+    assert steps == (9, 1023, 0)  # the schedule the host-only run reproduces
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
