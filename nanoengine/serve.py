@@ -31,7 +31,7 @@ from functools import partial
 
 from fastcore.basics import patch
 
-from . import LLM
+from .llm import LLM
 from .serving.engine_loop import (Delta, EngineLoop, Failed, Rejected, Submission,
                                            engine_stats, tokenize_prompts)
 from .serving.protocol import (ApiError, ParsedRequest, TokenizeRequest, brief, choice,
