@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
@@ -225,38 +225,41 @@ def measure_latency(llm, prompt_len: int = 100, extra_tokens: int = 512, repeats
 
 
 # %% ../notebooks/13_benchmarks.ipynb #c9deca28
+def _time_decode_steps(llm, n: int, context: int, steps: int) -> float:
+    """Milliseconds per decode step of `n` requests of `context` prompt tokens, after warm-up."""
+    seqs = [
+        llm.add_request(
+            [1 + (i * 7 + j) % 1000 for j in range(context)],
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 8),
+        )
+        for i in range(n)
+    ]
+    while any(s.num_completion_tokens == 0 for s in seqs):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+    _sync()
+    start = perf_counter()
+    for _ in range(steps):
+        llm.step()
+    _sync()
+    for s in seqs:
+        llm.abort(s)
+    return 1000 * (perf_counter() - start) / steps
+
+
 def measure_decode_sweep(llm, batch_sizes: list[int], context: int = 512, steps: int = 20) -> dict:
     """Decode step time (ms) per batch size at `context` tokens per sequence, eager and graphed."""
     runner = llm.model_runner
-    graphs = getattr(runner, "graphs", None)
     result = {"batch_sizes": [], "context": context, "eager_ms": [], "graph_ms": []}
     for n in batch_sizes:
         row = []
         for use_graphs in (False, True):
-            if use_graphs and graphs is None:
+            if use_graphs and runner.graphs is None:
                 row.append(None)
                 continue
-            runner.graphs = graphs if use_graphs else None
-            seqs = [
-                llm.add_request(
-                    [1 + (i * 7 + j) % 1000 for j in range(context)],
-                    SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 8),
-                )
-                for i in range(n)
-            ]
-            while any(s.num_completion_tokens == 0 for s in seqs):
-                llm.step()
-            for _ in range(3):
-                llm.step()
-            _sync()
-            start = perf_counter()
-            for _ in range(steps):
-                llm.step()
-            _sync()
-            row.append(1000 * (perf_counter() - start) / steps)
-            for s in seqs:
-                llm.abort(s)
-        runner.graphs = graphs
+            with nullcontext() if use_graphs else runner.graphs_off():
+                row.append(_time_decode_steps(llm, n, context, steps))
         result["batch_sizes"].append(n)
         result["eager_ms"].append(row[0])
         result["graph_ms"].append(row[1])

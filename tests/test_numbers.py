@@ -34,7 +34,7 @@ NOT_YET_SCANNED = [
     "04c_compile", "04f_rotary_embedding", "05_qwen3", "05d_llama",
     "06_sampler", "07_kv_store", "08_paged_attention", "08a_paged_decode", "09_model_runner",
     "10_llm_engine", "11_cuda_graphs", "11a_gemv", "11b_fused", "11c_rope_store",
-    "11d_race_kernel", "12_torch_compile", "13_benchmarks", "14_tensor_parallel",
+    "11d_race_kernel", "12_torch_compile", "14_tensor_parallel",
     "14a_worker_group", "14b_torchrun", "15_serve", "15a_openai_protocol", "15b_server",
     "15c_serve_load",
 ]

@@ -11,6 +11,8 @@ import os
 import time
 import warnings
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -613,9 +615,13 @@ def keep_activation_memory(self: ModelRunner) -> None:
     torch.empty(self.peak_activation_bytes, dtype=torch.uint8, device=self.device)
 
 # %% ../../notebooks/09_model_runner.ipynb #e5c8a0f7
-def __getattr__(name: str):
-    """Transitional (issue 41), until chapter 13's HostRunner subclasses ModelRunner: the old
-    packing class's name."""
-    if name == "_RunnerPacking":
-        return ModelRunner
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+@patch
+@contextmanager
+def graphs_off(self: ModelRunner) -> Iterator[None]:
+    """Decode steps run eagerly inside this block; the captured graphs come back at its end."""
+    graphs, self.graphs = self.graphs, None
+    try:
+        yield
+    finally:
+        self.graphs = graphs
+
