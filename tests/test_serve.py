@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (chapter 16), driven as a real process by the official openai client on CPU."""
+"""The OpenAI-compatible server (chapter 15), driven as a real process by the official openai client on CPU."""
 import asyncio
 import json
 import os
