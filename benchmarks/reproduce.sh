@@ -20,21 +20,23 @@ timeout 600 python3 -m nanoengine.bench --throughput --latency --decode-sweep --
     > "$OUT/bench.log" 2>&1
 tail -n 6 "$OUT/bench.log"
 # cuBLAS for every projection and FlashAttention-2's decode: the engine before sections 08.1, 11.1, 11.2 and 11.3
-NANOENGINE_GEMV=0 NANOENGINE_FUSED=0 NANOENGINE_ROPE_STORE=0 NANOENGINE_PAGED_DECODE=0 timeout 300 \
-    python3 -m nanoengine.bench --latency --profile --out "$OUT/before_gemv.json" > "$OUT/before_gemv.log" 2>&1
+timeout 300 python3 -m nanoengine.bench --latency --profile --out "$OUT/before_gemv.json" --engine-json \
+    '{"optimizations": {"triton_gemv": false, "fused_prologues": false, "fused_rope_store": false, "triton_decode": false}}' \
+    > "$OUT/before_gemv.log" 2>&1
 tail -n 3 "$OUT/before_gemv.log"
 # h200_fusions.json's runs: neither of sections 11.2 and 11.3, then 11.2 alone (main.json has both)
-NANOENGINE_FUSED=0 NANOENGINE_ROPE_STORE=0 timeout 300 python3 -m nanoengine.bench --latency --profile \
-    --out "$OUT/fusions_neither.json" > "$OUT/fusions_neither.log" 2>&1
-NANOENGINE_ROPE_STORE=0 timeout 300 python3 -m nanoengine.bench --latency --profile \
-    --out "$OUT/fusions_prologues.json" > "$OUT/fusions_prologues.log" 2>&1
+timeout 300 python3 -m nanoengine.bench --latency --profile --out "$OUT/fusions_neither.json" \
+    --engine-json '{"optimizations": {"fused_prologues": false, "fused_rope_store": false}}' \
+    > "$OUT/fusions_neither.log" 2>&1
+timeout 300 python3 -m nanoengine.bench --latency --profile --out "$OUT/fusions_prologues.json" \
+    --engine-json '{"optimizations": {"fused_rope_store": false}}' > "$OUT/fusions_prologues.log" 2>&1
 tail -n 3 "$OUT/fusions_neither.log" "$OUT/fusions_prologues.log"
 timeout 300 python3 benchmarks/gemv_sweep.py "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
 tail -n 12 "$OUT/gemv.log"
 timeout 300 python3 benchmarks/paged_decode_sweep.py "$OUT/paged_decode.json" > "$OUT/paged_decode.log" 2>&1
 tail -n 8 "$OUT/paged_decode.log"
-NANOENGINE_PAGED_DECODE=0 timeout 300 python3 -m nanoengine.bench --latency --out "$OUT/without_triton_decode.json" \
-    > "$OUT/without_triton_decode.log" 2>&1
+timeout 300 python3 -m nanoengine.bench --latency --out "$OUT/without_triton_decode.json" \
+    --engine-json '{"optimizations": {"triton_decode": false}}' > "$OUT/without_triton_decode.log" 2>&1
 tail -n 1 "$OUT/without_triton_decode.log"
 timeout 300 python3 benchmarks/decode_tune.py "$OUT/decode_tune.json" > "$OUT/decode_tune.log" 2>&1
 tail -n 3 "$OUT/decode_tune.log"
