@@ -38,7 +38,7 @@ def llama3_inv_freq(
     slowed = torch.where(wavelen > long_wavelen, inv_freq / factor, between)
     return torch.where(wavelen < short_wavelen, inv_freq, slowed)
 
-
+# %% ../../notebooks/04f_rotary_embedding.ipynb #17b82c87
 class RotaryEmbedding(nn.Module):
     """RoPE with a precomputed [max_position, 1, head_size] cos|sin table."""
 
@@ -89,7 +89,7 @@ class RotaryEmbedding(nn.Module):
             f"base={self.base:g}" + (f", llama3={self.llama3}" if self.llama3 else "")
         )
 
-
+# %% ../../notebooks/04f_rotary_embedding.ipynb #1b3e729d
 @lru_cache(maxsize=8)
 def _cached_rope(
     head_size: int, rotary_dim: int, max_position: int, base: float, device: torch.device,
