@@ -10,6 +10,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'nanoengine.bench._parser': ('benchmarks.html#_parser', 'nanoengine/bench.py'),
                                   'nanoengine.bench._print_compiles': ('benchmarks.html#_print_compiles', 'nanoengine/bench.py'),
                                   'nanoengine.bench._rung_line': ('benchmarks.html#_rung_line', 'nanoengine/bench.py'),
+                                  'nanoengine.bench._start_decoding': ('benchmarks.html#_start_decoding', 'nanoengine/bench.py'),
                                   'nanoengine.bench._sync': ('benchmarks.html#_sync', 'nanoengine/bench.py'),
                                   'nanoengine.bench._time_decode_steps': ('benchmarks.html#_time_decode_steps', 'nanoengine/bench.py'),
                                   'nanoengine.bench._write': ('benchmarks.html#_write', 'nanoengine/bench.py'),

@@ -225,8 +225,9 @@ def measure_latency(llm, prompt_len: int = 100, extra_tokens: int = 512, repeats
 
 
 # %% ../notebooks/13_benchmarks.ipynb #c9deca28
-def _time_decode_steps(llm, n: int, context: int, steps: int) -> float:
-    """Milliseconds per decode step of `n` requests of `context` prompt tokens, after warm-up."""
+def _start_decoding(llm, n: int, context: int, steps: int) -> list:
+    """`n` requests of `context` prompt tokens, past their prefill and three warm-up decode steps,
+    with room for `steps` more."""
     seqs = [
         llm.add_request(
             [1 + (i * 7 + j) % 1000 for j in range(context)],
@@ -238,6 +239,12 @@ def _time_decode_steps(llm, n: int, context: int, steps: int) -> float:
         llm.step()
     for _ in range(3):
         llm.step()
+    return seqs
+
+
+def _time_decode_steps(llm, n: int, context: int, steps: int) -> float:
+    """Milliseconds per decode step of `n` requests of `context` prompt tokens, after warm-up."""
+    seqs = _start_decoding(llm, n, context, steps)
     _sync()
     start = perf_counter()
     for _ in range(steps):
@@ -272,17 +279,7 @@ def measure_step_profile(llm, batch: int = 256, context: int = 512, steps: int =
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    seqs = [
-        llm.add_request(
-            [1 + (i * 7 + j) % 1000 for j in range(context)],
-            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 8),
-        )
-        for i in range(batch)
-    ]
-    while any(s.num_completion_tokens == 0 for s in seqs):
-        llm.step()
-    for _ in range(3):
-        llm.step()
+    seqs = _start_decoding(llm, batch, context, steps)
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
     )
