@@ -27,6 +27,11 @@ from nanoengine.serving.load import report, run_rate, saturation_rate  # noqa: E
 from nanoengine.utils.dist import free_port  # noqa: E402
 
 
+# `python -m nanoengine.serve`, with the engine loop on a thread of the server's process
+IN_THREAD = ("import nanoengine.serve as serve; from nanoengine.serving.engine_loop import EngineLoop; "
+             "serve.EngineProcess = EngineLoop; serve.main()")
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -58,6 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab-size", type=int, default=10_000, help="prompt token ids are drawn below this")
     p.add_argument("--server-args", default="--max-model-len 4096",
                    help="extra flags for python -m nanoengine.serve")
+    p.add_argument("--engine-in-thread", action="store_true",
+                   help="run the server's engine loop on a thread of the server's process (EngineLoop, "
+                        "section 15's first design) instead of in a process of its own (EngineProcess)")
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     if not all(r > 0 for r in rates):
@@ -66,8 +74,9 @@ def main(argv: list[str] | None = None) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = Path(args.out).with_suffix(".server.log")
-    cmd = [sys.executable, "-m", "nanoengine.serve", str(model), "--port", str(port),
-           "--served-model-name", "bench", *args.server_args.split()]
+    server = ["-m", "nanoengine.serve"] if not args.engine_in_thread else ["-c", IN_THREAD]
+    cmd = [sys.executable, *server, str(model), "--port", str(port), "--served-model-name", "bench",
+           *args.server_args.split()]
     print(" ".join(cmd), flush=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
@@ -98,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
               "workload": {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                            "arrivals": "Poisson (open loop)", "seconds_per_rate": args.seconds,
                            "client": "httpx on the same machine, streamed, ignore_eos"},
+              "engine": "a thread of the server's process" if args.engine_in_thread
+              else "a process of its own",
               "points": points, "saturation_rate": saturation_rate(points), "final_stats": stats}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     num_failed = sum(point["num_failed"] for point in points)

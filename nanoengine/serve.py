@@ -2,12 +2,13 @@
 
 # %% auto #0
 __all__ = ['MAX_BODY_BYTES', 'HEADER_TIMEOUT_S', 'BODY_TIMEOUT_S', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'OUTCOMES', 'SHUTDOWN_GRACE_S',
-           'ENGINE_FLAGS', 'LEAST', 'Call', 'sse', 'stream_events', 'EventStream', 'check_api_key',
-           'check_content_type', 'read_body', 'parse_json', 'read_json', 'max_prompt_chars', 'Tokenizing',
-           'timeout_response', 'TimedH11Protocol', 'host_name', 'is_loopback', 'host_allowlist', 'check_host',
-           'Metrics', 'error_response', 'add_error_handlers', 'ServedModel', 'serve_model', 'create_app',
-           'add_info_routes', 'collect', 'client_gone', 'parse_generation', 'add_generation_routes', 'tokenize_text',
-           'detokenize_ids', 'add_token_routes', 'parse_args', 'engine_kwargs', 'Server', 'server_config', 'main']
+           'ENGINE_FLAGS', 'LEAST', 'Mailbox', 'mailbox', 'Call', 'sse', 'stream_events', 'EventStream',
+           'check_api_key', 'check_content_type', 'read_body', 'parse_json', 'read_json', 'max_prompt_chars',
+           'Tokenizing', 'timeout_response', 'TimedH11Protocol', 'host_name', 'is_loopback', 'host_allowlist',
+           'check_host', 'Metrics', 'error_response', 'add_error_handlers', 'ServedModel', 'tokenizer_and_vocab',
+           'serve_model', 'create_app', 'add_info_routes', 'collect', 'client_gone', 'parse_generation',
+           'add_generation_routes', 'tokenize_text', 'detokenize_ids', 'add_token_routes', 'parse_args',
+           'engine_kwargs', 'Server', 'server_config', 'main']
 
 # %% ../notebooks/15b_server.ipynb #309204b7
 import argparse
@@ -24,6 +25,8 @@ import signal
 import sys
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -32,8 +35,8 @@ from functools import partial
 from fastcore.basics import patch
 
 from .llm import LLM
-from .serving.engine_loop import (Delta, EngineLoop, Failed, Rejected, Submission,
-                                           engine_stats, tokenize_prompts)
+from .serving.engine_loop import (Delta, EngineLoop, EngineProcess, Failed, Rejected,
+                                           Submission, engine_stats, tokenize_prompts)
 from .serving.protocol import (ApiError, ParsedRequest, TokenizeRequest, brief, choice,
                                         new_id, parse_detokenize, parse_request, parse_tokenize,
                                         response)
@@ -56,16 +59,55 @@ except ImportError as e:
 
 _log = logging.getLogger(__name__)
 
+# %% ../notebooks/15b_server.ipynb #b5a1c002
+class Mailbox:
+    """Events from other threads to asyncio queues of one event loop: one wake-up per batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque = deque()  # (queue, event) pairs not yet handed over
+        self.lock = threading.Lock()
+        self.scheduled = False  # a flush is on its way
+
+    def post(self, queue: asyncio.Queue, event: object) -> None:
+        """Any thread: queue an event; the first of a batch schedules the flush."""
+        with self.lock:
+            self.items.append((queue, event))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody listens
+            self.loop.call_soon_threadsafe(self.flush)
+
+    def flush(self) -> None:
+        """The event loop: hand every waiting event to its queue."""
+        with self.lock:
+            items, self.items, self.scheduled = self.items, deque(), False
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
+_MAILBOXES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox]" = (
+    weakref.WeakKeyDictionary())
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The event loop's mailbox (one per loop, made on first use)."""
+    box = _MAILBOXES.get(loop)
+    if box is None:
+        box = _MAILBOXES[loop] = Mailbox(loop)
+    return box
+
 # %% ../notebooks/15b_server.ipynb #960224d5
 class Call:
     """One HTTP request's view of the engine loop: its events arrive in an asyncio queue."""
 
-    def __init__(self, engine_loop: EngineLoop, parsed: ParsedRequest,
+    def __init__(self, engine_loop: EngineLoop | EngineProcess, parsed: ParsedRequest,
                  metrics: "Metrics | None" = None):
         self.engine_loop, self.parsed, self.metrics = engine_loop, parsed, metrics
         self.events: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        emit = lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event)  # noqa: E731
+        self.pending: object | None = None  # an event taken early while merging deltas
+        emit = partial(mailbox(asyncio.get_running_loop()).post, self.events)
         self.request_id = engine_loop.submit(parsed.submission, emit)
         self.submitted = time.perf_counter()
         self.num_prompt_tokens = 0
@@ -98,9 +140,17 @@ class Call:
 # %% ../notebooks/15b_server.ipynb #abc271a7
 @patch
 async def deltas(self: Call):
-    """The request's Deltas until every sequence has finished; Failed raises ApiError."""
+    """The request's Deltas until every sequence has finished; Failed raises ApiError. Deltas
+    that queued up while the stream was busy leave as one (their texts joined)."""
     while self.num_open:
-        event = await self.events.get()
+        event, self.pending = self.pending or await self.events.get(), None
+        while type(event) is Delta and event.finish_reason is None and not self.events.empty():
+            later = self.events.get_nowait()
+            if type(later) is not Delta or later.index != event.index:
+                self.pending = later
+                break
+            event = Delta(event.index, event.text + later.text, later.num_tokens,
+                          later.finish_reason)
         if isinstance(event, Failed):
             self.outcome = "failed"
             raise ApiError(event.message, None, status=503, type="server_error")
@@ -500,7 +550,7 @@ def add_error_handlers(app: FastAPI) -> None:
 @dataclass(slots=True)
 class ServedModel:
     """What the routes share: the engine loop, the model's name and limits, tokenizers, metrics."""
-    engine_loop: EngineLoop
+    engine_loop: EngineLoop | EngineProcess
     name: str
     max_model_len: int
     vocab_size: int
@@ -511,18 +561,22 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def serve_model(engine_loop: EngineLoop, name: str,
+def tokenizer_and_vocab(engine: LLM) -> tuple[object, int]:
+    """A copy of the engine's tokenizer, for the server's own use, and the vocabulary's size."""
+    return copy.deepcopy(engine.tokenizer), engine.vocab_size
+
+
+def serve_model(engine_loop: EngineLoop | EngineProcess, name: str,
                 max_body_bytes: int = MAX_BODY_BYTES) -> ServedModel:
-    """What the routes need, asked from the engine on its thread: a tokenizer, the vocabulary."""
-    tokenizer, vocab_size = engine_loop.call(
-        lambda engine: (copy.deepcopy(engine.tokenizer), engine.vocab_size)).result()
+    """What the routes need, asked from the engine between steps: a tokenizer, the vocabulary."""
+    tokenizer, vocab_size = engine_loop.call(tokenizer_and_vocab).result()
     max_model_len = engine_loop.max_model_len
     return ServedModel(engine_loop, name, max_model_len, vocab_size, Tokenizing(tokenizer),
                        max_prompt_chars(tokenizer, max_model_len), max_body_bytes)
 
 # %% ../notebooks/15b_server.ipynb #0c38a307
-def create_app(engine_loop: EngineLoop, served_model_name: str, *, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES,
+def create_app(engine_loop: EngineLoop | EngineProcess, served_model_name: str, *,
+               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                allowed_hosts: frozenset[str] | None = None) -> FastAPI:
     """The OpenAI-compatible HTTP API over a running engine loop."""
 
@@ -558,7 +612,7 @@ def add_info_routes(app: FastAPI, served: ServedModel) -> None:
 
     @app.get("/stats")
     async def stats(since_step: int = 0) -> dict:
-        future = engine_loop.call(lambda engine: engine_stats(engine, since_step))
+        future = engine_loop.call(partial(engine_stats, since_step=since_step))
         return await asyncio.wrap_future(future)
 
     @app.get("/metrics")
@@ -722,7 +776,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 class Server(uvicorn.Server):
     """uvicorn's server; a stop signal also stops the engine loop, at once or after a drain."""
 
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop,
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop | EngineProcess,
                  shutdown_timeout: float = 0.0):
         super().__init__(config)
         self.engine_loop, self.shutdown_timeout = engine_loop, shutdown_timeout
@@ -753,8 +807,8 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m nanoengine.serve MODEL ...`: load the model, serve until SIGTERM or Ctrl-C."""
     args = parse_args(argv)
     try:
-        engine_loop = EngineLoop(lambda: LLM(args.model, **engine_kwargs(args)))
-    except (ValueError, TypeError, OSError) as e:
+        engine_loop = EngineProcess(partial(LLM, args.model, **engine_kwargs(args)))
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
         sys.exit(f"nanoengine.serve: {e}")
     name = args.served_model_name or args.model
     keyed = " (API key required)" if args.api_key else ""

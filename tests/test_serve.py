@@ -306,23 +306,32 @@ def test_load_leaks_no_blocks_and_no_memory(server):
     assert httpx.get(url + "/health").status_code == 200
 
 
-def live_workers(pid: int) -> list[int]:
-    """Tensor-parallel workers (spawned processes) whose parent is `pid`, zombies left out."""
+def spawned_children(pid: int) -> list[int]:
+    """Live spawned processes (multiprocessing's `spawn_main`) whose parent is `pid`, zombies left out."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            spawned = b"spawn_main" in (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+        if int(fields[1]) == pid and fields[0] != "Z" and spawned:
             found.append(int(stat.parent.name))
     return found
 
 
-def test_sigterm_stops_the_server_and_its_tensor_parallel_workers(ckpt, tmp_path):
+def spawned_descendants(pid: int) -> list[int]:
+    """The spawned processes below `pid`: the engine's process, and its tensor-parallel workers."""
+    children = spawned_children(pid)
+    return children + [d for c in children for d in spawned_descendants(c)]
+
+
+def test_sigterm_stops_the_server_its_engine_and_its_tensor_parallel_workers(ckpt, tmp_path):
     proc, url = start_server(ckpt, tmp_path / "tp.log", "--tensor-parallel-size", "2")
-    workers = live_workers(proc.pid)
-    assert len(workers) == 1, "the second rank runs in a child process"
+    engine = spawned_children(proc.pid)
+    assert len(engine) == 1, "the engine runs in a process of its own"
+    workers = spawned_children(engine[0])
+    assert len(workers) == 1, "the second rank runs in a child process of the engine's"
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     stream = client.completions.create(model=MODEL, prompt="forever", max_tokens=400, stream=True,
                                        extra_body={"ignore_eos": True})
@@ -337,10 +346,37 @@ def test_sigterm_stops_the_server_and_its_tensor_parallel_workers(ckpt, tmp_path
     assert code == 0, (tmp_path / "tp.log").read_text()[-3000:]
     assert seconds < 10, f"SIGTERM took {seconds:.1f} s"
     deadline = time.monotonic() + 5
-    while Path(f"/proc/{workers[0]}").exists() and time.monotonic() < deadline:
+    left = engine + workers
+    while any(Path(f"/proc/{p}").exists() for p in left) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not Path(f"/proc/{workers[0]}").exists(), "the worker outlived the server"
+    assert not any(Path(f"/proc/{p}").exists() for p in left), "a process outlived the server"
     stream.close()
+
+
+def test_a_killed_engine_process_fails_open_requests_and_health_but_not_the_server(ckpt, tmp_path):
+    proc, url = start_server(ckpt, tmp_path / "killed.log")
+    try:
+        [engine] = spawned_children(proc.pid)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(model=MODEL, prompt="forever", max_tokens=400, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)  # a request is in flight
+        os.kill(engine, signal.SIGKILL)  # as the out-of-memory killer would
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError):  # the stream ends with an error event, not a hang
+            for _ in chunks:
+                pass
+        assert time.monotonic() - t0 < 10
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                       timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert time.monotonic() - t0 < 2
+        assert proc.poll() is None, "the server stays up to answer (and report) the failure"
+    finally:
+        stop(proc)
 
 
 def test_a_host_header_that_names_another_machine_is_421(client, url):

@@ -2,16 +2,23 @@
 
 # %% auto #0
 __all__ = ['Submission', 'Accepted', 'Rejected', 'Failed', 'Delta', 'LiveRequest', 'tokenize_prompts', 'check_sampling', 'admit',
-           'publish', 'apply_command', 'EngineLoop', 'engine_stats']
+           'publish', 'apply_command', 'EngineLoop', 'engine_stats', 'pack', 'unpack', 'sendable',
+           'engine_process_main', 'take_messages', 'EngineProcess']
 
 # %% ../../notebooks/15_serve.ipynb #6daf3d9b
+import contextlib
 import logging
+import multiprocessing as mp
+import pickle
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 from itertools import count
+from multiprocessing.connection import Connection
 
 import torch
 from fastcore.basics import patch
@@ -330,3 +337,265 @@ def engine_stats(engine: LLMEngine, since_step: int = 0) -> dict:
             "num_free_blocks": bm.num_free_blocks, "num_decode_steps": len(decode),
             "max_decode_batch": max(decode, default=0),
             "mean_decode_batch": sum(decode) / len(decode) if decode else 0.0}
+
+# %% ../../notebooks/15_serve.ipynb #a1f0e502
+def pack(request_id: int, event: object) -> tuple:
+    """An event as a small tuple for the pipe: a Delta's fields, or the event object itself."""
+    if type(event) is Delta:
+        return (request_id, event.index, event.text, event.num_tokens, event.finish_reason)
+    return (request_id, event)
+
+
+def unpack(item: tuple) -> tuple[int, object]:
+    """(request id, event) of a packed event."""
+    if len(item) == 5:
+        return item[0], Delta(*item[1:])
+    return item[0], item[1]
+
+
+def sendable(value: object) -> tuple[object, bool]:
+    """(value, True) if it survives pickling, else (a RuntimeError saying why, False)."""
+    try:
+        pickle.loads(pickle.dumps(value))
+        return value, True
+    except Exception as e:
+        return RuntimeError(f"cannot send {type(value).__name__} between processes: {e}"), False
+
+# %% ../../notebooks/15_serve.ipynb #a1f0e503
+def engine_process_main(conn: Connection, make_engine: Callable[[], LLMEngine]) -> None:
+    """The engine process: build the engine, then step it; one message a step carries its events."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server stops us
+    try:
+        engine = make_engine()
+    except BaseException as e:
+        error, _ = sendable(e)
+        conn.send(("failed", error))
+        return
+    conn.send(("ready", engine.config.max_model_len))
+    outbox: list[tuple] = []  # this step's events, sent together
+    live: dict[int, LiveRequest] = {}
+    broken = False
+    try:
+        while take_messages(conn, engine, live, outbox, wait=engine.is_finished()):
+            if not engine.is_finished():
+                engine.step()
+            for request_id in [r for r, request in live.items() if publish(engine, request)]:
+                del live[request_id]
+                outbox.append((request_id,))  # the request is over: the server forgets it
+            if outbox:
+                conn.send(("events", outbox))
+                outbox.clear()
+    except BaseException as e:
+        broken = True
+        _log.error("the engine loop failed", exc_info=e)  # the details go to the log only
+    finally:
+        message = ("the engine failed; the server's log has the details" if broken
+                   else "the server is shutting down")
+        for request in live.values():
+            request.emit(Failed(message))
+        with contextlib.suppress(OSError):  # the server may be gone already
+            conn.send(("events", outbox))
+            conn.send(("closed", (message, broken)))
+        engine.close()
+
+# %% ../../notebooks/15_serve.ipynb #a1f0e505
+def take_messages(conn: Connection, engine: LLMEngine, live: dict[int, LiveRequest],
+                  outbox: list[tuple], wait: bool) -> bool:
+    """Apply every message in the pipe (waiting for one if the engine is idle); False on stop, or
+    when the server has gone."""
+    while conn.poll(None if wait else 0):
+        try:
+            kind, *args = conn.recv()
+        except EOFError:
+            return False
+        if kind == "submit":
+            request_id, submission = args
+            emit = partial(_to_outbox, outbox, request_id)
+            apply_command(engine, live, ("submit", request_id, submission, emit))
+        elif kind == "call":
+            call_id, fn = args
+            future = Future()
+            apply_command(engine, live, ("call", fn, future))
+            error = future.exception()
+            value, ok = sendable(future.result() if error is None else error)
+            outbox.append((None, call_id, value, ok and error is None))
+        elif not apply_command(engine, live, (kind, *args)):
+            return False
+        wait = False
+    return True
+
+
+def _to_outbox(outbox: list[tuple], request_id: int, event: object) -> None:
+    """A request's emit inside the engine process: its event joins this step's message."""
+    outbox.append(pack(request_id, event))
+
+# %% ../../notebooks/15_serve.ipynb #a1f0e507
+class EngineProcess:
+    """An engine loop in a process of its own, driven like EngineLoop: the server's per-token work
+    (JSON, SSE, HTTP) and the engine's steps then never wait for each other's interpreter lock."""
+
+    def __init__(self, make_engine: Callable[[], LLMEngine], timeout: float | None = None):
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked
+        self._conn, child = ctx.Pipe()
+        self._lock = threading.Lock()  # orders sends, and sends against closing
+        self._closed = False  # set once: nothing is sent after it
+        self._ids = count()  # request and call ids
+        self._emits: dict[int, Callable[[object], None]] = {}  # open requests' callbacks
+        self._calls: dict[int, Future] = {}  # calls waiting for their results
+        self.error: BaseException | None = None  # why the engine stopped, if it broke
+        self.process = ctx.Process(target=engine_process_main, args=(child, make_engine),
+                                   name="nanoengine-engine")
+        self.process.start()
+        child.close()
+        self.max_model_len = self._wait_ready(timeout)
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+
+@patch
+def _wait_ready(self: EngineProcess, timeout: float | None) -> int:
+    """The engine's max_model_len once it is built; its build error, raised here, if it failed."""
+    try:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"not ready after {timeout} s")
+        kind, value = self._conn.recv()
+    except (EOFError, OSError, TimeoutError) as e:
+        self._end()
+        raise RuntimeError(f"the engine process did not start: {e or 'it exited'}") from None
+    if kind == "failed":
+        self._end()
+        raise value
+    return value
+
+# %% ../../notebooks/15_serve.ipynb #a1f0e509
+@patch(as_prop=True)
+def is_alive(self: EngineProcess) -> bool:
+    """True while the engine takes commands (False once it is stopping or has stopped)."""
+    return not self._closed and self.process.is_alive()
+
+
+@patch
+def submit(self: EngineProcess, submission: Submission, emit: Callable[[object], None]) -> int:
+    """Queue a request; `emit` gets Accepted or Rejected, then Deltas (on the reader thread)."""
+    request_id = next(self._ids)
+    with self._lock:
+        if not self._closed:
+            self._emits[request_id] = emit
+            self._conn.send(("submit", request_id, submission))
+            return request_id
+    emit(Failed("the engine loop has stopped"))
+    return request_id
+
+
+@patch
+def abort(self: EngineProcess, request_id: int) -> None:
+    """Stop a request and free its KV blocks (a finished or unknown id is ignored)."""
+    with self._lock:
+        if self._emits.pop(request_id, None) is not None and not self._closed:
+            self._conn.send(("abort", request_id))
+
+
+@patch
+def call(self: EngineProcess, fn: Callable[[LLMEngine], object]) -> Future:
+    """Run `fn(engine)` in the engine process between two steps; `fn` and its result travel by
+    pickle (a module-level function, or a functools.partial of one)."""
+    future, call_id = Future(), next(self._ids)
+    with self._lock:
+        if self._closed:
+            future.set_exception(RuntimeError("the engine loop has stopped"))
+            return future
+        self._calls[call_id] = future
+        try:
+            self._conn.send(("call", call_id, fn))
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            del self._calls[call_id]
+            future.set_exception(TypeError(f"call() sends its function by pickle: {e}"))
+    return future
+
+
+@patch
+def stop(self: EngineProcess) -> None:
+    """Ask the engine to stop (returns at once): open requests fail, then the engine closes."""
+    with self._lock:
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self._conn.send(("stop",))
+
+
+@patch
+def close(self: EngineProcess, timeout: float = 60.0) -> None:
+    """Stop the engine and wait until its process has ended: every GPU byte is then free."""
+    self.stop()
+    self.process.join(timeout)
+    self._end()
+
+# %% ../../notebooks/15_serve.ipynb #a1f0e511
+@patch
+def _read(self: EngineProcess) -> None:
+    """The reader thread: hand each step's events to their requests, and calls their results."""
+    message = "the engine process ended"
+    try:
+        while True:
+            kind, value = self._conn.recv()
+            if kind == "closed":
+                message, broken = value
+                if broken:
+                    self.error = RuntimeError(message)
+                break
+            for item in value:
+                self._deliver(item)
+    except (EOFError, OSError):
+        if not self._closed:  # nobody asked it to stop
+            self.error = RuntimeError(f"the engine process exited ({self.process.exitcode})")
+    finally:
+        self._fail_open(message)
+
+
+@patch
+def _deliver(self: EngineProcess, item: tuple) -> None:
+    """One packed item: a request's event, a request's end, or a call's result."""
+    if item[0] is None:  # (None, call id, value, ok)
+        future = self._calls.pop(item[1], None)
+        if future is not None:
+            (future.set_result if item[3] else future.set_exception)(item[2])
+    elif len(item) == 1:  # (request id,): the request is over
+        self._emits.pop(item[0], None)
+    else:
+        request_id, event = unpack(item)
+        done = isinstance(event, (Rejected, Failed))
+        emit = self._emits.pop(request_id, None) if done else self._emits.get(request_id)
+        if emit is not None:  # an aborted request's last events are dropped
+            emit(event)
+
+
+@patch
+def _fail_open(self: EngineProcess, message: str) -> None:
+    """Closed for good: fail the requests and calls still open."""
+    with self._lock:
+        self._closed = True
+        emits, self._emits = self._emits, {}
+        calls, self._calls = self._calls, {}
+    for emit in emits.values():
+        emit(Failed(message))
+    for future in calls.values():
+        if not future.done():
+            future.set_exception(RuntimeError(message))
+
+
+@patch
+def _end(self: EngineProcess) -> None:
+    """Make sure the process is gone (terminated, then killed, if it does not exit), the reader
+    has finished, and the pipe is closed."""
+    with self._lock:
+        self._closed = True
+    if self.process.is_alive():
+        self.process.terminate()
+        self.process.join(10)
+    if self.process.is_alive():
+        self.process.kill()
+        self.process.join()
+    reader = getattr(self, "_reader", None)
+    if reader is not None and reader is not threading.current_thread():
+        reader.join(10)
+    self._conn.close()

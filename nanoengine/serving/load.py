@@ -9,14 +9,15 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 
 import httpx
 
 
 async def timed_request(http: httpx.AsyncClient, model: str, prompt: list[int],
-                        max_tokens: int) -> dict | None:
-    """Send one streamed completion; its TTFT, ITL and latency in seconds (None if it failed:
-    an error status, an error event, a dropped connection, a timeout)."""
+                        max_tokens: int) -> dict | str:
+    """Send one streamed completion; its TTFT, ITL and latency in seconds, or why it failed (an
+    error status, an error event, a dropped connection, a timeout)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -25,22 +26,22 @@ async def timed_request(http: httpx.AsyncClient, model: str, prompt: list[int],
     try:
         async with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                return None
+                return f"status {r.status_code}"
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return None
+                    return f"error event: {chunk['error'].get('message', '')[:60]}"
                 if chunk.get("usage"):
                     num_tokens = chunk["usage"]["completion_tokens"]
                 elif chunk.get("choices"):
                     last = time.perf_counter()
                     first = first or last
-    except (httpx.HTTPError, ValueError):  # ReadError, RemoteProtocolError, timeouts, bad JSON
-        return None
+    except (httpx.HTTPError, ValueError) as e:  # ReadError, RemoteProtocolError, timeouts, JSON
+        return type(e).__name__
     if first is None or num_tokens == 0:
-        return None
+        return "no tokens"
     itl = (last - first) / (num_tokens - 1) if num_tokens > 1 else None
     return {"ttft": first - t0, "itl": itl, "latency": last - t0, "num_tokens": num_tokens}
 
@@ -71,7 +72,8 @@ def report(point: dict) -> str:
     ttft50, ttft90, itl50, itl90 = ("-" if v is None else f"{v * 1e3:.1f}" for v in ms)
     return (f"rate {point['rate']:4g}/s: achieved {point['achieved_rate']:5.1f}/s, "
             f"{point['output_tokens_per_s']:5.0f} tok/s, TTFT {ttft50}/{ttft90} ms, "
-            f"ITL {itl50}/{itl90} ms, {point['num_failed']}/{point['num_requests']} failed")
+            f"ITL {itl50}/{itl90} ms, {point['num_failed']}/{point['num_requests']} failed"
+            + "".join(f"; {n} {why}" for why, n in point.get("failures", {}).items()))
 
 # %% ../../notebooks/15c_serve_load.ipynb #319fff26
 async def run_rate(url: str, model: str, rate: float, num_requests: int, prompt_len: int,
@@ -90,10 +92,12 @@ async def run_rate(url: str, model: str, rate: float, num_requests: int, prompt_
             due += gap
         results = await asyncio.gather(*tasks, return_exceptions=True)
         seconds = time.perf_counter() - t0
-    ok = [r for r in results if isinstance(r, dict)]  # None (failed) or an exception: a failure
+    ok = [r for r in results if isinstance(r, dict)]  # a reason or an exception: a failure
+    failures = Counter(r if isinstance(r, str) else type(r).__name__
+                       for r in results if not isinstance(r, dict))
     ttft, itl = [r["ttft"] for r in ok], [r["itl"] for r in ok]
     return {"rate": rate, "num_requests": num_requests, "num_ok": len(ok),
-            "num_failed": num_requests - len(ok), "seconds": seconds,
+            "num_failed": num_requests - len(ok), "failures": dict(failures), "seconds": seconds,
             "achieved_rate": len(ok) / seconds,
             "output_tokens_per_s": sum(r["num_tokens"] for r in ok) / seconds,
             "ttft_p50": percentile(ttft, 0.5), "ttft_p90": percentile(ttft, 0.9),
