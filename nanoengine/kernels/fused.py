@@ -27,6 +27,7 @@ except ImportError:
 
 PROLOGUES = {"norm": 1, "add_norm": 2, "silu": 3}  # what the kernel makes of its input first
 
+# %% ../../notebooks/11b_fused.ipynb #fus00001b
 if triton is not None:
 
     @triton.jit
