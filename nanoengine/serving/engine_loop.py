@@ -546,8 +546,10 @@ def _read(self: EngineProcess) -> None:
             for item in value:
                 self._deliver(item)
     except (EOFError, OSError):
-        if not self._closed:  # nobody asked it to stop
-            self.error = RuntimeError(f"the engine process exited ({self.process.exitcode})")
+        if not self._closed:  # nobody asked it to stop: it died (killed, out of memory)
+            self.process.join(5)  # it has closed its pipe; its exit code says how it ended
+            self.error = RuntimeError(f"the engine process exited with code "
+                                      f"{self.process.exitcode}")
     finally:
         self._fail_open(message)
 
