@@ -55,9 +55,6 @@ ALLOWED = [
      ["1.19 GB", "1.2 GFLOP", "305 GFLOP", "902 GFLOP", "0.28 ms", "0.0015 ms", "0.39 ms",
       "1.14 ms", "about 180 times less", "448 MiB", "382 MiB", "= 512 KiB", "to 56 KiB per token"],
      QWEN3_ARITHMETIC),
-    ("five_ideas.md", ["92% of all bytes moved"],
-     "chapter 13's roofline computes it from the workload; TODO: paste it with {glue:text} once "
-     "chapter 13 glues it"),
     ("glossary.md", ["costs 112 KiB per token", "all 1.19 GB of weights"],
      "Qwen3-0.6B's KV bytes per token and weight bytes: definitions, derived on the five ideas "
      "page"),
