@@ -175,7 +175,7 @@ def _count(self: Call, delta: Delta) -> None:
     if self.num_open == 0:
         self.outcome = "finished"
 
-
+# %% ../notebooks/15b_server.ipynb #abc271a9
 @patch
 def usage(self: Call) -> dict:
     """The request's `usage`: its prompt tokens and the completion tokens so far."""

@@ -480,9 +480,12 @@ def submit(self: EngineProcess, submission: Submission, emit: Callable[[object],
     request_id = next(self._ids)
     with self._lock:
         if not self._closed:
-            self._emits[request_id] = emit
-            self._conn.send(("submit", request_id, submission))
-            return request_id
+            self._emits[request_id] = emit  # before the send: events may come back at once
+            try:
+                self._conn.send(("submit", request_id, submission))
+                return request_id
+            except OSError:  # the process died a moment ago; the reader will notice
+                del self._emits[request_id]
     emit(Failed("the engine loop has stopped"))
     return request_id
 
@@ -492,9 +495,10 @@ def abort(self: EngineProcess, request_id: int) -> None:
     """Stop a request and free its KV blocks (a finished or unknown id is ignored)."""
     with self._lock:
         if self._emits.pop(request_id, None) is not None and not self._closed:
-            self._conn.send(("abort", request_id))
+            with contextlib.suppress(OSError):  # a dead process has nothing left to abort
+                self._conn.send(("abort", request_id))
 
-
+# %% ../../notebooks/15_serve.ipynb #a1f0e50b
 @patch
 def call(self: EngineProcess, fn: Callable[[LLMEngine], object]) -> Future:
     """Run `fn(engine)` in the engine process between two steps; `fn` and its result travel by
@@ -510,6 +514,9 @@ def call(self: EngineProcess, fn: Callable[[LLMEngine], object]) -> Future:
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             del self._calls[call_id]
             future.set_exception(TypeError(f"call() sends its function by pickle: {e}"))
+        except OSError:
+            del self._calls[call_id]
+            future.set_exception(RuntimeError("the engine loop has stopped"))
     return future
 
 
@@ -570,7 +577,7 @@ def _deliver(self: EngineProcess, item: tuple) -> None:
         if emit is not None:  # an aborted request's last events are dropped
             emit(event)
 
-
+# %% ../../notebooks/15_serve.ipynb #a1f0e51b
 @patch
 def _fail_open(self: EngineProcess, message: str) -> None:
     """Closed for good: fail the requests and calls still open."""
