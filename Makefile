@@ -42,7 +42,8 @@ test: install .triton-low/triton
 	bash tests/browser_setup.sh
 	$(BIN)/python -m pytest -q
 
-# On a machine with a CUDA GPU (and flash-attn): every test with CUDA visible, then every notebook with all its cells.
+# On a machine with a CUDA GPU (and flash-attn): a short serving sweep against serve_h200.json, every test with
+# CUDA visible, then every notebook with all its cells.
 gpu-check: install
 	$(BIN)/pip install -q nbclient ipykernel 2>&1 | $(QUIET)
 	$(BIN)/python scripts/gpu_check.py --executed _build/gpu_notebooks

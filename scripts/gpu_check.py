@@ -1,10 +1,17 @@
-"""The GPU check: the whole test suite with CUDA visible, then every notebook executed top to bottom, all cells.
+"""The GPU check: a short serving sweep, the whole test suite with CUDA visible, then every notebook executed top
+to bottom, all cells.
 
 Run it on a machine with a CUDA GPU (and flash-attn, to cover the FlashAttention paths):
 
-    python scripts/gpu_check.py                      # both parts, writes benchmarks/gpu_check.json
-    python scripts/gpu_check.py --part tests         # one part; the other part's results are kept when the
+    python scripts/gpu_check.py                      # all three parts, writes benchmarks/gpu_check.json
+    python scripts/gpu_check.py --part tests         # one part; the other parts' results are kept when the
     python scripts/gpu_check.py --part notebooks     #   summary on disk is of the same commit
+    python scripts/gpu_check.py --part serve
+
+The serve part runs benchmarks/serve_load.py (a fresh `python -m nanoengine.serve` on the benchmark model) at a few
+offered rates for a few seconds each, with serve_h200.json's workload, and fails when a rate's ITL p50 or TTFT p50 is
+more than SERVE_TOLERANCE times the committed sweep's at the same rate, or when a request fails at a rate at or below
+the committed saturation rate. It takes about a minute, most of it the server's start.
 
 nbval skips the `# NBVAL_SKIP` cells that hold the GPU paths, so the notebooks run through nbclient here, every
 cell included, each notebook in a fresh kernel with a time limit. `--executed DIR` keeps the executed notebooks;
@@ -23,6 +30,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -184,6 +192,120 @@ def run_tests(timeout: float, extra: list[str], workers: int, log_path: Path, di
         "not_run": ignored, "workers": workers, "dist": dist, "gpu_tests": gpu_tests, "log": str(log_path)}
 
 
+# The serve part. Its sweep is serve_load.py's, run as a child process (killed with its server at --serve-timeout).
+SERVE_LOAD = ROOT / "benchmarks" / "serve_load.py"
+SERVE_REFERENCE = ROOT / "benchmarks" / "serve_h200.json"
+# requests/s: a light load, and one the committed sweep completed more slowly than offered, still below its saturation
+SERVE_RATES = (16.0, 64.0)
+SERVE_SECONDS = 4.0  # arrivals per rate: 64 and 256 requests, so the part takes about a minute
+# How many times the committed ITL p50 or TTFT p50 a rate's fresh figure may be before the part fails. Runs vary:
+# serve_load.py seeds each rate's Poisson arrivals by its place in the sweep, so this short sweep draws other
+# arrivals than the committed one at the same rate; its window is shorter; and the committed points are one run on
+# one H200 machine, whose host (CPU, installed server stack) another machine does not share. A regression like the
+# one issue 42 was opened for (ITL p50 at 32 requests/s more than threefold, serve_h200.json's regression_bisect)
+# stays well outside it.
+SERVE_TOLERANCE = 1.5
+SERVE_METRICS = (("itl_p50", "ITL p50"), ("ttft_p50", "TTFT p50"))
+
+
+def compare_serve(points: list[dict], reference: dict, rates: list[float], tolerance: float = SERVE_TOLERANCE
+                  ) -> list[str]:
+    """What is wrong with a sweep's `points` against the committed sweep `reference` (serve_h200.json's content), one
+    message per rate and metric: a median more than `tolerance` times the committed one, a median missing, a failed
+    request at a rate at or below the committed saturation rate (every rate, when the committed sweep never
+    saturated), a rate not measured or not in the reference. Empty: the sweep passes."""
+    committed = {float(p["rate"]): p for p in reference["points"]}
+    measured = {float(p["rate"]): p for p in points}
+    saturation = reference.get("saturation_rate")
+    problems = []
+    for rate in rates:
+        ref, point = committed.get(float(rate)), measured.get(float(rate))
+        if ref is None:
+            problems.append(f"rate {rate:g}/s: the committed sweep has no point at this rate to compare with")
+            continue
+        if point is None:
+            problems.append(f"rate {rate:g}/s: not measured (the sweep stopped before it)")
+            continue
+        for key, name in SERVE_METRICS:
+            if point.get(key) is None:
+                problems.append(f"rate {rate:g}/s: {name} missing (no request completed)")
+            elif point[key] > tolerance * ref[key]:
+                problems.append(f"rate {rate:g}/s: {name} {point[key] * 1e3:.2f} ms is {point[key] / ref[key]:.2f}x "
+                                f"the committed {ref[key] * 1e3:.2f} ms (tolerance {tolerance:g}x)")
+        if point.get("num_failed") and (saturation is None or rate <= saturation):
+            why = ", ".join(f"{n} {reason}" for reason, n in point.get("failures", {}).items())
+            problems.append(f"rate {rate:g}/s: {point['num_failed']} of {point['num_requests']} requests failed"
+                            f"{f' ({why})' if why else ''}, at or below the committed saturation rate "
+                            f"{'(none)' if saturation is None else f'{saturation:g}/s'}")
+    return problems
+
+
+def serve_sweep(rates: list[float], seconds: float, out: Path, timeout: float, extra: list[str] = (),
+                log_path: Path | None = None) -> dict:
+    """benchmarks/serve_load.py at `rates` for `seconds` of arrivals each, serve_h200.json's workload (prompt and
+    output lengths), `extra` flags after those; its JSON (written to `out`, the server's log beside it). The sweep and
+    its server run in a process group of their own, killed at `timeout` seconds: RuntimeError then, or when the
+    sweep exits without its JSON."""
+    workload = json.loads(SERVE_REFERENCE.read_text())["workload"]
+    cmd = [sys.executable, str(SERVE_LOAD), str(out), "--rates", ",".join(f"{r:g}" for r in rates),
+           "--seconds", f"{seconds:g}", "--prompt-len", str(workload["prompt_len"]),
+           "--max-tokens", str(workload["max_tokens"]), *extra]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    log_path = log_path or out.with_suffix(".log")
+    with open(log_path, "w") as log:
+        log.write(f"$ {' '.join(cmd[1:])}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)  # serve_load.py and its server (and the server's engine process)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            raise RuntimeError(f"the sweep did not finish within {timeout:.0f} s (log: {log_path})") from None
+    if proc.returncode != 0 or not out.exists():
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        raise RuntimeError(f"the sweep exited with code {proc.returncode}: {tail[0][:300]} (log: {log_path})")
+    return json.loads(out.read_text())
+
+
+def run_serve(rates: list[float], seconds: float, tolerance: float, timeout: float, out: Path,
+              extra: list[str] = ()) -> dict:
+    """The serve part: a short sweep on the GPU, compared with serve_h200.json rate by rate."""
+    import torch
+    reference = json.loads(SERVE_REFERENCE.read_text())
+    section = {"rates": list(rates), "seconds_per_rate": seconds, "tolerance": tolerance,
+               "reference": {"file": SERVE_REFERENCE.relative_to(ROOT).as_posix(),
+                             "commit": reference["provenance"].get("commit"),
+                             "saturation_rate": reference.get("saturation_rate")},
+               "workload": {k: reference["workload"][k] for k in ("prompt_len", "max_tokens")},
+               "sweep": str(out), "log": str(out.with_suffix(".log")),
+               "server_log": str(out.with_suffix(".server.log"))}
+    if extra:
+        section["serve_load_args"] = list(extra)
+    if not torch.cuda.is_available():
+        return section | {"ok": False, "error": "no CUDA GPU: the serve part compares with H200 figures"}
+    t0 = time.perf_counter()
+    try:
+        sweep = serve_sweep(rates, seconds, out, timeout, extra)
+    except RuntimeError as e:
+        return section | {"ok": False, "seconds": round(time.perf_counter() - t0, 1), "error": str(e)}
+    committed = {float(p["rate"]): p for p in reference["points"]}
+    points = []
+    for p in sweep["points"]:
+        ref = committed.get(float(p["rate"]), {})
+        points.append({k: p.get(k) for k in ("rate", "num_requests", "num_failed", "failures", "achieved_rate",
+                                             "output_tokens_per_s", "ttft_p50", "ttft_p90", "itl_p50", "itl_p90")}
+                      | {f"committed_{key}": ref.get(key) for key, _ in SERVE_METRICS})
+    problems = compare_serve(sweep["points"], reference, rates, tolerance)
+    return section | {"ok": not problems, "seconds": round(time.perf_counter() - t0, 1), "points": points,
+                      "problems": problems}
+
+
 def merge(paths: list[Path], out: Path, match_commit: str | None = None) -> dict:
     """One summary from parts run apart (on different GPUs of one machine, or in two calls) at one commit."""
     parts = [json.loads(path.read_text()) for path in paths]
@@ -217,6 +339,11 @@ def merge(paths: list[Path], out: Path, match_commit: str | None = None) -> dict
         summary["notebook_reruns"] = reruns
     if notebooks:
         summary["notebooks"] = [notebooks[name] for name in sorted(notebooks)]
+    serves = [part["serve"] for part in parts if "serve" in part]
+    if serves:  # the serve part run again in a later part: the later run counts, the earlier ones are kept
+        summary["serve"] = serves[-1]
+        if len(serves) > 1:
+            summary["serve_reruns"] = serves[:-1]
     tests = [part["tests"] for part in parts if "tests" in part]
     if tests:
         summary["tests"] = {key: sum(t[key] for t in tests) for key in ("passed", "failed", "skipped", "seconds")}
@@ -287,17 +414,17 @@ def run_notebook_isolated(path: Path, cell_timeout: float, limit: float, execute
 
 
 def write_summary(summary: dict, out: Path) -> None:
-    """Write the summary, with `ok` true only when every notebook ran and every test passed."""
+    """Write the summary, with `ok` true only when every notebook ran, every test passed and the serve part passed."""
     notebooks, tests = summary.get("notebooks", []), summary.get("tests", {})
     summary["ok"] = bool(notebooks) and all(r["ok"] for r in notebooks) and bool(tests) \
-        and tests["failed"] == 0 and not tests["timed_out"]
+        and tests["failed"] == 0 and not tests["timed_out"] and summary.get("serve", {}).get("ok", False)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["all", "tests", "notebooks"], default="all")
+    parser.add_argument("--part", choices=["all", "tests", "notebooks", "serve"], default="all")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "gpu_check.json")
     parser.add_argument("--executed", type=Path, default=None, help="keep the executed notebooks here")
     parser.add_argument("--notebooks", nargs="*", default=None, help="names (stems) to run; default: all")
@@ -323,6 +450,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tests-log", type=Path, default=ROOT / "_build" / "gpu_check_tests.log")
     parser.add_argument("--deadline", type=float, default=3600,
                         help="seconds for the notebooks part; notebooks not done by then are recorded as failed")
+    parser.add_argument("--serve-rates", default=",".join(f"{r:g}" for r in SERVE_RATES),
+                        help="the serve part's offered rates (requests/s, comma-separated); each must be a rate of "
+                             "serve_h200.json's points")
+    parser.add_argument("--serve-seconds", type=float, default=SERVE_SECONDS, help="seconds of arrivals per rate")
+    parser.add_argument("--serve-tolerance", type=float, default=SERVE_TOLERANCE,
+                        help="fail when ITL p50 or TTFT p50 is more than this many times the committed figure")
+    parser.add_argument("--serve-timeout", type=float, default=600,
+                        help="seconds for the serve part, the server's start included")
+    parser.add_argument("--serve-out", type=Path, default=ROOT / "_build" / "gpu_check_serve.json",
+                        help="serve_load.py's JSON (its log and the server's log beside it)")
+    parser.add_argument("--serve-load-args", default="",
+                        help="more flags for benchmarks/serve_load.py, e.g. \"--server-args='--max-model-len 4096'\"")
     parser.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)  # a child: one notebook
     parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args(argv)
@@ -333,11 +472,25 @@ def main(argv: list[str] | None = None) -> dict:
     if args.one is not None:
         print(json.dumps(run_notebook(args.one, args.cell_timeout, args.executed)), flush=True)
         return {"ok": True}
+    if args.part == "serve":
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit("--part serve needs a CUDA GPU: it compares a sweep with the H200 figures of "
+                             "benchmarks/serve_h200.json (nothing was run or written)")
     summary = {"provenance": provenance()}
     if args.out.exists():
         previous = json.loads(args.out.read_text())
         if previous.get("provenance", {}).get("commit") == summary["provenance"]["commit"]:
             summary = {**previous, "provenance": {**previous["provenance"], **summary["provenance"]}}
+    if args.part in ("all", "serve"):  # first, on a GPU nothing else has used yet
+        rates = [float(r) for r in args.serve_rates.split(",")]
+        summary["serve"] = run_serve(rates, args.serve_seconds, args.serve_tolerance, args.serve_timeout,
+                                     args.serve_out, shlex.split(args.serve_load_args))
+        serve = summary["serve"]
+        print(f"serve: {'ok' if serve['ok'] else 'FAIL'}"
+              + "".join(f"\n  {line}" for line in serve.get("problems", []) + [serve.get("error", "")] if line),
+              flush=True)
+        write_summary(summary, args.out)
     if args.part in ("all", "tests"):
         args.tests_log.parent.mkdir(parents=True, exist_ok=True)
         summary["tests"] = run_tests(args.tests_timeout, args.pytest_args, args.workers, args.tests_log,
@@ -368,8 +521,10 @@ def main(argv: list[str] | None = None) -> dict:
                 record(result)
     write_summary(summary, args.out)
     notebooks, tests = summary.get("notebooks", []), summary.get("tests", {})
+    serve = "not run" if "serve" not in summary else "ok" if summary["serve"]["ok"] else "FAIL"
     print(f"notebooks: {sum(r['ok'] for r in notebooks)} of {len(notebooks)} ran; tests: "
           f"{tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('skipped', 0)} skipped; "
+          f"serve: {serve}; "
           f"{'OK' if summary['ok'] else 'NOT OK'} -> {args.out}")
     return summary
 
