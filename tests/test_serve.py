@@ -157,6 +157,30 @@ def test_stop_strings_cut_the_text_and_never_stream_a_partial_stop(client, llm):
     assert not any(stop in c.choices[0].text for c in chunks if c.choices)
 
 
+def test_stop_token_ids_through_the_official_client(client, llm):
+    plain = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                         use_tqdm=False)[0]
+    token = plain["token_ids"][4]
+    stop_at = plain["token_ids"].index(token) + 1
+    expected = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                       stop_token_ids=[token]), use_tqdm=False)[0]
+    assert expected["token_ids"] == plain["token_ids"][:stop_at]
+    extra = {"ignore_eos": True, "stop_token_ids": [token]}
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0,
+                                    extra_body=extra)
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (expected["text"], "stop")
+    assert got.usage.completion_tokens == stop_at
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20,
+                                            temperature=0, stream=True, extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks) == expected["text"]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    for bad in ([-1], "7", [2**40], [0.5]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                      extra_body={"stop_token_ids": bad})
+        assert e.value.body["param"] == "stop_token_ids"
+
+
 def test_n_and_seeded_sampling(client):
     kwargs = dict(model=MODEL, prompt="Once", max_tokens=12, temperature=1.0, top_p=0.9, seed=7, n=3,
                   extra_body={"top_k": 50})

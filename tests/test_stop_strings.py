@@ -313,3 +313,58 @@ def test_batch_text_decode_off_decodes_one_by_one_and_a_bad_value_is_refused(ckp
         one_by_one.close()
     with pytest.raises(ValueError, match="optimizations.batch_text_decode"):
         LLM(ckpt, optimizations=Optimizations(batch_text_decode="no"), **ENGINE)
+
+
+# --- stop token ids (section 10.1): vLLM's stop_token_ids, a stop at a token rather than a text ---
+
+
+def first_new_token(out, skip: int = 3) -> tuple[int, int]:
+    """A token id of the completion (after `skip` tokens) and where it first occurs."""
+    ids = out["token_ids"]
+    token = ids[skip]
+    return token, ids.index(token)
+
+
+def test_stop_token_ids_end_a_request_at_the_token_which_stays_in_the_output(llm, plain):
+    for out, prompt in zip(plain, PROMPTS):
+        token, at = first_new_token(out)
+        stopped = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX,
+                                                      ignore_eos=True, stop_token_ids=[token]),
+                               use_tqdm=False)[0]
+        assert stopped["finish_reason"] == "stop"  # ignore_eos ignores only the EOS ids
+        assert stopped["token_ids"] == out["token_ids"][:at + 1]
+        assert stopped["text"] == llm.tokenizer.decode(out["token_ids"][:at + 1],
+                                                       skip_special_tokens=True)
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and llm.is_finished()
+
+
+def test_stop_token_ids_in_streams_and_beside_stop_strings(llm, plain):
+    token, at = first_new_token(plain[1], skip=5)
+    stop = spanning_stop(llm, plain[1], after=2)
+    both = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True, stop=[stop],
+                          stop_token_ids=[token])
+    expected = llm.generate(PROMPTS[1], both, use_tqdm=False)[0]
+    texts = prefix_texts(llm, plain[1]["token_ids"])
+    by_text = next(k for k, t in enumerate(texts) if find_stop(t, (stop,)) >= 0)  # tokens
+    assert expected["finish_reason"] == "stop"
+    assert expected["token_ids"] == plain[1]["token_ids"][:min(at + 1, by_text)]  # the earlier
+    events = list(llm.stream([PROMPTS[1]], both))
+    assert [t for e in events for t in e.token_ids] == expected["token_ids"]
+    assert "".join(e.text for e in events) == expected["text"] and events[-1].finish_reason == "stop"
+
+
+def test_a_stop_token_in_the_prompt_stops_nothing_through_chunks_and_async(ckpt, plain):
+    """A prompt token that is a stop id does not end the request (chunked prefill, async steps)."""
+    prompt_ids = LLM(ckpt, **ENGINE).tokenizer.encode(PROMPTS[2])
+    for async_scheduling in (True, False):
+        chunked = LLM(ckpt, **ENGINE, max_num_batched_tokens=2, async_scheduling=async_scheduling)
+        out = chunked.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=MAX,
+                                                          ignore_eos=True,
+                                                          stop_token_ids=prompt_ids[:2]),
+                               use_tqdm=False)[0]
+        expected = plain[2]["token_ids"]
+        stops = [i for i, t in enumerate(expected) if t in prompt_ids[:2]]
+        assert out["token_ids"] == expected[:stops[0] + 1] if stops else expected
+        assert out["finish_reason"] == ("stop" if stops else "length")
+        chunked.close()

@@ -353,20 +353,24 @@ def _complete(
 
 @patch
 def _check_stop_strings(self: LLMEngine, batch: ScheduledBatch, finished: list[Sequence]) -> None:
-    """Finish the requests of `batch` whose text now contains a stop string (section 10.1)."""
+    """Finish the requests of `batch` whose text now contains a stop string, or whose new token
+    is one of their stop token ids (section 10.1)."""
     for seq in batch.seqs:
-        stop = seq.sampling_params.stop
+        params = seq.sampling_params
+        stop, stop_ids = params.stop, params.stop_token_ids
         if (
-            not stop
+            not (stop or stop_ids)
             or seq.finish_reason not in (None, "length")
             or seq.last_token == PENDING_TOKEN
+            or seq.num_completion_tokens == 0  # a prompt chunk: nothing generated yet
         ):
             continue
-        checker = self._stop_checkers.get(seq)
-        if checker is None:
-            checker = self._stop_checkers[seq] = IncrementalText(self.tokenizer, stop)
-        if not checker.update(seq):
-            continue
+        if seq.last_token not in stop_ids:
+            checker = self._stop_checkers.get(seq)
+            if checker is None and stop:
+                checker = self._stop_checkers[seq] = IncrementalText(self.tokenizer, stop)
+            if checker is None or not checker.update(seq):
+                continue
         if not seq.is_finished:
             self.scheduler.abort(seq)  # out of the running queue, its blocks freed
             finished.append(seq)

@@ -40,7 +40,8 @@ class ApiError(Exception):
                           "code": self.code}}
 
 # %% ../../notebooks/15a_openai_protocol.ipynb #bf0435fe
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos",
+                   "stop_token_ids")
 COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {"model", "n", "stop", "stream", "stream_options",
                                               "user"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
