@@ -2,11 +2,11 @@
 
 # %% auto #0
 __all__ = ['ARGMAX_CHUNK', 'splitmix64', 'mix_seed', 'SamplingBatch', 'apply_top_k_top_p', 'draw_exponentials', 'chunked_argmax',
-           'Sampler']
+           'Sampler', 'SamplingExtras', 'apply_extras', 'compute_logprobs']
 
 # %% ../../notebooks/06_sampler.ipynb #0890e4cb
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -72,15 +72,20 @@ class SamplingBatch:
     any_top_k: bool = False
     any_top_p: bool = False
     any_seeded: bool = False
+    # penalties, min_tokens and log-probabilities (see below); None: no row sets any
+    extras: "SamplingExtras | None" = None
 
     @classmethod
     def from_params(
         cls, params: list[SamplingParams], positions: list[int], device: torch.device | str = "cpu",
-        *, check: bool = True,
+        *, check: bool = True, token_ids: list[list[int]] | None = None,
+        num_prompt_tokens: list[int] | None = None, eos_token_ids: tuple[int, ...] = (),
+        vocab_size: int | None = None,
     ) -> "SamplingBatch":
         """Build the batch; `positions[i]` is the index in its sequence of the token row i samples.
 
-        The engine passes `check=False`: its rows were validated when the requests were added."""
+        Rows with min_tokens or a penalty also need their `token_ids` and `num_prompt_tokens`
+        (below). The engine passes `check=False`: its rows were validated when they were added."""
         if check:
             if len(params) != len(positions):
                 raise ValueError(
@@ -95,15 +100,27 @@ class SamplingBatch:
             positions = [
                 check_int(f"positions[{i}]", pos, minimum=0) for i, pos in enumerate(positions)
             ]
+            for name, rows in (("token_ids", token_ids), ("num_prompt_tokens", num_prompt_tokens)):
+                if rows is not None and len(rows) != len(params):
+                    raise ValueError(f"{name} must have one entry per row, got {len(rows)}")
         temperatures = [sp.temperature for sp in params]
         if not temperatures or max(temperatures) == 0.0:
-            return cls(len(params), any_greedy=bool(params))  # all greedy: no tensor at all
-        if _uses_options(params):
-            return cls._with_options(params, positions, temperatures, device)
-        return cls(
-            len(params), _to_device(temperatures, torch.float32, device), all_greedy=False,
-            any_greedy=min(temperatures) == 0.0,
-        )
+            batch = cls(len(params), any_greedy=bool(params))  # all greedy: no tensor at all
+        elif _uses_options(params):
+            batch = cls._with_options(params, positions, temperatures, device)
+        else:
+            batch = cls(
+                len(params), _to_device(temperatures, torch.float32, device), all_greedy=False,
+                any_greedy=min(temperatures) == 0.0,
+            )
+        for sp in params:  # a loop: it stops at the first row that sets an extra
+            if sp.extras:
+                batch.extras = SamplingExtras.build(
+                    params, positions, device, token_ids, num_prompt_tokens, eos_token_ids,
+                    vocab_size,
+                )
+                break
+        return batch
 
 # %% ../../notebooks/06_sampler.ipynb #smp00002
 @patch(cls_method=True)
@@ -233,13 +250,16 @@ class Sampler(nn.Module):
             )
         if logits.shape[1] == 0:
             raise ValueError("logits must have a non-empty vocabulary dimension")
+        adjusted = batch.extras is not None and batch.extras.adjusts
+        if adjusted:  # penalties, min_tokens: a new float32 tensor, the raw logits kept
+            logits = apply_extras(logits, batch.extras)  # [B, V]
         if batch.all_greedy:
             return logits.argmax(dim=-1)  # [B]
         if batch.any_top_k or batch.any_top_p:
             # [B, V] float32, a fresh tensor
             scaled = apply_top_k_top_p(_scale(logits, batch.temperatures), batch)
             sampled = _race(scaled, draw_exponentials(scaled, batch))  # [B]
-        elif self.one_pass and race_kernel_serves(logits, batch.any_seeded):
+        elif self.one_pass and not adjusted and race_kernel_serves(logits, batch.any_seeded):
             # [B]: one Triton pass, its noise drawn in registers (section 11.4)
             sampled = race_sample(logits, batch.temperatures, draw_seed())
         else:
@@ -248,3 +268,130 @@ class Sampler(nn.Module):
         if not batch.any_greedy:
             return sampled
         return torch.where(batch.temperatures > 0, sampled, logits.argmax(dim=-1))
+
+# %% ../../notebooks/06_sampler.ipynb #smpx0002
+@dataclass(slots=True)
+class SamplingExtras:
+    """One step's penalties, min_tokens bans and log-probability requests, as tensors."""
+
+    penalty_rows: torch.Tensor | None = None  # [R] int64: the batch rows with a penalty
+    penalties: torch.Tensor | None = None  # [3, R] float32: presence, frequency, repetition
+    output_pairs: torch.Tensor | None = None  # [2, N] int64: (index in R, token) per output token
+    seen_pairs: torch.Tensor | None = None  # [2, M] int64: the same for prompt tokens (repetition)
+    pending: torch.Tensor | None = None  # [2, P] int64: (index in R, batch row) of a placeholder
+    pending_tokens: torch.Tensor | None = None  # [D] the step in flight's tokens (set by the runner)
+    any_repetition: bool = False
+    banned: torch.Tensor | None = None  # [2, K] int64: (row, token) that may not be sampled yet
+    logprob_rows: list[int] = field(default_factory=list)  # rows that asked for log-probabilities
+    num_logprobs: list[int] = field(default_factory=list)  # ... and how many alternatives each
+    logprob_index: torch.Tensor | None = None  # [L] int64: logprob_rows on the device
+
+    @property
+    def adjusts(self) -> bool:
+        """True when the logits change before the draw (a penalty, or a token banned)."""
+        return self.penalty_rows is not None or self.banned is not None
+
+# %% ../../notebooks/06_sampler.ipynb #smpx0004
+def _pairs(rows: list[int], tokens: list[int], device) -> torch.Tensor | None:
+    """(row, token) pairs as one [2, N] int64 tensor on `device`; None when there are none."""
+    return _to_device(rows + tokens, torch.int64, device).view(2, -1) if tokens else None
+
+
+@patch(cls_method=True)
+def build(
+    cls: SamplingExtras, params: list[SamplingParams], positions: list[int],
+    device: torch.device | str, token_ids: list[list[int]] | None,
+    num_prompt_tokens: list[int] | None, eos_token_ids: tuple[int, ...], vocab_size: int | None,
+) -> SamplingExtras:
+    """The extras of rows whose params set `extras`; a row's history is `token_ids[i]`, its
+    first `num_prompt_tokens[i]` the prompt, a negative last id a token still on the device."""
+    penalty_rows, penalties, out, seen, pending, banned = [], [], ([], []), ([], []), [], ([], [])
+    extras = cls()
+    for i, sp in enumerate(params):
+        if not sp.extras:
+            continue
+        if sp.logprobs is not None:
+            extras.logprob_rows.append(i)
+            extras.num_logprobs.append(sp.logprobs)
+        if not (sp.min_tokens or sp.needs_history):
+            continue
+        if token_ids is None or num_prompt_tokens is None:
+            raise ValueError("rows with min_tokens or a penalty need token_ids and num_prompt_tokens")
+        if positions[i] - num_prompt_tokens[i] < sp.min_tokens:  # too early to end
+            stops = sp.stop_token_ids + (() if sp.ignore_eos else eos_token_ids)
+            stops = [t for t in stops if vocab_size is None or t < vocab_size]
+            banned[0].extend([i] * len(stops))
+            banned[1].extend(stops)
+        if sp.needs_history:
+            r, history, p = len(penalty_rows), token_ids[i], num_prompt_tokens[i]
+            generated = history[p:]
+            if generated and generated[-1] < 0:  # planned ahead: the token is on the device
+                generated = generated[:-1]
+                pending.append((r, i))
+            out[0].extend([r] * len(generated))
+            out[1].extend(generated)
+            if sp.repetition_penalty != 1.0:
+                seen[0].extend([r] * p)
+                seen[1].extend(history[:p])
+            penalty_rows.append(i)
+            penalties.append((sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty))
+    if penalty_rows:
+        extras.penalty_rows = _to_device(penalty_rows, torch.int64, device)
+        columns = [list(column) for column in zip(*penalties)]  # presence, frequency, repetition
+        extras.penalties = _to_device(sum(columns, []), torch.float32, device).view(3, -1)
+        extras.output_pairs, extras.seen_pairs = _pairs(*out, device), _pairs(*seen, device)
+        extras.any_repetition = any(rho != 1.0 for *_, rho in penalties)
+        if pending:
+            extras.pending = _pairs(*map(list, zip(*pending)), device)
+    extras.banned = _pairs(*banned, device)
+    if extras.logprob_rows:
+        extras.logprob_index = _to_device(extras.logprob_rows, torch.int64, device)
+    return extras
+
+# %% ../../notebooks/06_sampler.ipynb #smpx0006
+def _count(pairs: torch.Tensor | None, counts: torch.Tensor) -> None:
+    """Add one to counts[row, token] for each (row, token) pair, repeats included."""
+    if pairs is not None:
+        counts.index_put_((pairs[0], pairs[1]), torch.ones_like(pairs[0], dtype=counts.dtype),
+                          accumulate=True)
+
+
+def apply_extras(logits: torch.Tensor, extras: SamplingExtras) -> torch.Tensor:
+    """The logits [B, V] with penalties applied and banned tokens at -inf, as a new float32
+    tensor (the raw logits stay as they were, for log-probabilities)."""
+    out = logits.to(torch.float32, copy=True)  # [B, V]
+    if extras.penalty_rows is not None:
+        rows = out[extras.penalty_rows]  # [R, V], a copy
+        counts = torch.zeros_like(rows)  # [R, V]: times each token was generated
+        _count(extras.output_pairs, counts)
+        if extras.pending is not None:
+            if extras.pending_tokens is None:
+                raise RuntimeError("rows planned ahead need the step in flight's pending_tokens")
+            tokens = extras.pending_tokens[extras.pending[1]]  # [P]
+            _count(torch.stack([extras.pending[0], tokens]), counts)
+        presence, frequency, repetition = extras.penalties.unsqueeze(-1)  # [R, 1] each
+        if extras.any_repetition:
+            seen = torch.zeros_like(rows)  # [R, V]: 1 where a prompt token is
+            _count(extras.seen_pairs, seen)
+            seen = (seen + counts) > 0
+            rows = torch.where(seen, torch.where(rows > 0, rows / repetition, rows * repetition),
+                               rows)
+        rows -= frequency * counts + presence * (counts > 0)
+        out[extras.penalty_rows] = rows
+    if extras.banned is not None:
+        out[extras.banned[0], extras.banned[1]] = float("-inf")
+    return out
+
+# %% ../../notebooks/06_sampler.ipynb #smpx0010
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, extras: SamplingExtras
+) -> torch.Tensor | None:
+    """For the rows that asked, [L, 1 + 2n] float64: log p of the sampled token, then the n
+    largest log-probabilities, then their token ids; None when no row asked."""
+    if extras.logprob_index is None:
+        return None
+    index = extras.logprob_index
+    logprobs = logits[index].float().log_softmax(dim=-1)  # [L, V]
+    chosen = logprobs.gather(1, token_ids[index].unsqueeze(1))  # [L, 1]
+    top = logprobs.topk(max(extras.num_logprobs), dim=-1)  # [L, n] values and indices
+    return torch.cat([chosen.double(), top.values.double(), top.indices.double()], dim=1)
