@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFas
 from ..config import Config, Optimizations, check_fits_in_memory
 from .model_runner import LaunchedStep, ModelRunner, kv_block_bytes
 from .scheduler import PENDING_TOKEN, ScheduledBatch, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, TokenLogprobs
 from ..models.registry import checkpoint_config, model_class, resolve_checkpoint
 from ..sampling_params import SamplingParams
 from ..utils.checks import InvalidTypeError, check_bool
@@ -63,6 +63,7 @@ class StreamEvent:
     text: str | None
     finished: bool
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
 # %% ../../notebooks/10_llm_engine.ipynb #911f2dba
 def load_tokenizer(path: Path, vocab_size: int):
@@ -200,6 +201,7 @@ class LLMEngine:
 def _start_runner(self: LLMEngine, make_runner: RunnerFactory) -> ModelRunner:
     """Rank 0's runner from `make_runner`; the pool size it measured goes into the config."""
     runner = make_runner(self.config, self.async_scheduling)
+    runner.eos_token_ids = self.eos_token_ids  # held back from a request short of min_tokens
     if runner.world_size > 1:  # collected, or exit, without close(): graphs before the group
         weakref.finalize(self, runner.close)
     self.config.num_kvcache_blocks = runner.num_kvcache_blocks
@@ -337,7 +339,9 @@ def _complete(
     self: LLMEngine, batch: ScheduledBatch, launched: LaunchedStep, t0: float
 ) -> list[Sequence]:
     """Wait for a launched step's tokens, apply them, and record the step."""
-    finished = self.scheduler.postprocess(batch, self.model_runner.collect(launched))
+    runner = self.model_runner
+    token_ids = runner.collect(launched)
+    finished = self.scheduler.postprocess(batch, token_ids, runner.collect_logprobs(launched))
     self._check_stop_strings(batch, finished)
     bm = self.scheduler.block_manager
     self.trace.append(
@@ -354,7 +358,7 @@ def _complete(
 @patch
 def _check_stop_strings(self: LLMEngine, batch: ScheduledBatch, finished: list[Sequence]) -> None:
     """Finish the requests of `batch` whose text now contains a stop string, or whose new token
-    is one of their stop token ids (section 10.1)."""
+    is one of their stop token ids (section 10.1); not before min_tokens tokens."""
     for seq in batch.seqs:
         params = seq.sampling_params
         stop, stop_ids = params.stop, params.stop_token_ids
@@ -365,10 +369,14 @@ def _check_stop_strings(self: LLMEngine, batch: ScheduledBatch, finished: list[S
             or seq.num_completion_tokens == 0  # a prompt chunk: nothing generated yet
         ):
             continue
+        checker = self._stop_checkers.get(seq)
+        if checker is None and stop:
+            checker = self._stop_checkers[seq] = IncrementalText(self.tokenizer, stop)
+        if seq.num_completion_tokens < params.min_tokens:  # too early to stop
+            if checker is not None:
+                checker.advance(seq)  # the text keeps up: its next search starts at the end
+            continue
         if seq.last_token not in stop_ids:
-            checker = self._stop_checkers.get(seq)
-            if checker is None and stop:
-                checker = self._stop_checkers[seq] = IncrementalText(self.tokenizer, stop)
             if checker is None or not checker.update(seq):
                 continue
         if not seq.is_finished:
@@ -531,18 +539,29 @@ def _text(self: LLMEngine, seq: Sequence, text: str | None = None) -> str | None
     text = self._decode(seq.completion_token_ids) if text is None else text
     stop = seq.sampling_params.stop
     if text is not None and stop and seq.finish_reason == "stop":
-        cut = find_stop(text, stop)
+        cut = find_stop(text, stop, floor=self._stop_floor(seq))
         text = text if cut < 0 else text[:cut]
     return text
 
 
 @patch
+def _stop_floor(self: LLMEngine, seq: Sequence) -> int:
+    """With min_tokens m, a stop string counts only where it ends past the text of the first
+    m - 1 tokens: that text's length (0 without min_tokens)."""
+    m = seq.sampling_params.min_tokens
+    if m <= 1 or self.tokenizer is None:
+        return 0
+    return len(self._decode(seq.completion_token_ids[: m - 1]))
+
+
+@patch
 def _output(self: LLMEngine, seq: Sequence, text: str | None) -> dict:
     """text (decoded), token_ids (every token generated, the one that completed a stop string
-    included)."""
+    included), and with SamplingParams.logprobs one TokenLogprobs per token."""
     return {
         "text": self._text(seq, text), "token_ids": seq.completion_token_ids,
         "finish_reason": seq.finish_reason, "prompt_token_ids": seq.prompt_token_ids,
+        "logprobs": seq.logprobs,
     }
 
 # %% ../../notebooks/10_llm_engine.ipynb #e1a9c0da
@@ -644,9 +663,10 @@ def _new_events(self: LLMEngine, seqs: list[Sequence], sent: list[list]) -> Iter
                 ]
         new_text = None if text is None else text[len(text_sent) :]
         sent[i] = [n, text if text is not None else "", seq.is_finished, detok]
+        logprobs = None if seq.logprobs is None else seq.logprobs[num_sent:n]
         yield StreamEvent(
             i, seq.completion_token_ids[num_sent:n], new_text, seq.is_finished,
-            seq.finish_reason,
+            seq.finish_reason, logprobs,
         )
 
 # %% ../../notebooks/10_llm_engine.ipynb #0ac7158e
@@ -711,9 +731,10 @@ def _check_messages(i: int, messages) -> None:
                 )
 
 # %% ../../notebooks/10a_text_out.ipynb #af1a4cda
-def find_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:
-    """Where the earliest stop string in `text[start:]` begins; -1 when there is none."""
-    hits = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+def find_stop(text: str, stop: tuple[str, ...], start: int = 0, floor: int = 0) -> int:
+    """Where the earliest stop string in `text[start:]` that ends past `floor` characters begins;
+    -1 when there is none."""
+    hits = [i for i in (text.find(s, max(start, floor - len(s) + 1)) for s in stop) if i >= 0]
     return min(hits, default=-1)
 
 

@@ -22,11 +22,11 @@ from torch import nn
 
 from ..config import Config
 from .cuda_graphs import CUDAGraphDecoder
-from .sequence import Sequence
+from .sequence import Sequence, TokenLogprobs
 from ..kernels.fused import tune_kernels
 from ..layers.attention import Attention
 from ..layers.paged_attention import AttentionBackend, select_attention_backend
-from ..layers.sampler import Sampler, SamplingBatch
+from ..layers.sampler import Sampler, SamplingBatch, SamplingExtras, compute_logprobs
 from ..models.registry import load_weights, model_class
 from ..utils.compile import compile_stance
 from ..utils.context import Context, StepContext, bind_step_context
@@ -84,6 +84,9 @@ class LaunchedStep:
     host_ids: torch.Tensor | None  # [B] int64 on the host; valid once `ready` has passed
     ready: "torch.cuda.Event | None"  # None when nothing is asynchronous (CPU)
     launch_seconds: float = 0.0  # host time the engine spent queuing it (chapter 10)
+    # [L, 1 + 2n] float64 on the host: the log-probabilities some rows asked for (chapter 06)
+    host_logprobs: torch.Tensor | None = None
+    extras: SamplingExtras | None = None  # ... which rows, and how many alternatives each
 
 # %% ../../notebooks/09_model_runner.ipynb #b369c217
 class ModelRunner:
@@ -93,6 +96,7 @@ class ModelRunner:
     split_mixed: bool = False  # attend a mixed step's decode rows apart (its backend asks)
     decode_table_width: int = 0  # ... their block tables padded this wide (the decode graphs')
     last_sample: tuple[list, SamplingBatch | None] = ([], None)  # the last step's params, batch
+    eos_token_ids: tuple[int, ...] = ()  # what min_tokens holds back (the engine sets them)
     graphs: CUDAGraphDecoder | None = None  # the decode graphs (chapter 11), captured last
 
     def __init__(self, config: Config, rank: int = 0, local_rank: int | None = None):
@@ -384,16 +388,21 @@ def prepare_decode(self: ModelRunner, seqs: list[Sequence]) -> tuple[torch.Tenso
 @patch
 def prepare_sample(self: ModelRunner, seqs: list[Sequence]) -> SamplingBatch:
     """Each sequence's sampling settings; a row samples the token at index num_tokens of its
-    sequence. The same requests as the last step, none seeded, reuse its tensors."""
+    sequence. The same requests as the last step reuse its tensors, unless a row is seeded or
+    its logits change with its history (penalties, min_tokens)."""
     params = [seq.sampling_params for seq in seqs]
     last_params, last = self.last_sample
     if (
         last is not None and not last.any_seeded and len(params) == len(last_params)
+        and (last.extras is None or not last.extras.adjusts)
         and all(a is b for a, b in zip(params, last_params))  # frozen: same object, same values
     ):
         return last
     batch = SamplingBatch.from_params(
-        params, [seq.num_tokens for seq in seqs], device=self.device, check=False
+        params, [seq.num_tokens for seq in seqs], device=self.device, check=False,
+        token_ids=[seq.token_ids for seq in seqs],
+        num_prompt_tokens=[seq.num_prompt_tokens for seq in seqs],
+        eos_token_ids=self.eos_token_ids, vocab_size=self.config.hf_config.vocab_size,
     )
     self.last_sample = (params, batch)
     return batch
@@ -440,9 +449,13 @@ def _step(
     taken = self._taken(previous, source_rows)  # [D], or None
     with compile_stance(self.config.optimizations.torch_compile):
         hidden, batch = self._forward(seqs, is_prefill, taken)  # [num_seqs or tokens, hidden]
+        extras = None if batch is None else batch.extras  # on rank 0 of several
+        if extras is not None:
+            extras.pending_tokens = taken  # what a penalty counts of rows planned ahead
         logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] (on rank 0 of several)
         token_ids = self._sample(logits, batch, len(seqs))  # [num_seqs] int64, on the device
-    return self._to_host(token_ids)
+        logprobs = None if extras is None else compute_logprobs(logits, token_ids, extras)
+    return self._to_host(token_ids, logprobs, extras)
 
 
 @patch
@@ -489,17 +502,25 @@ def _sample(
 
 
 @patch
-def _to_host(self: ModelRunner, token_ids: torch.Tensor | None) -> LaunchedStep:
-    """The launched step: its tokens, and their copy into pinned host memory under way."""
+def _to_host(
+    self: ModelRunner, token_ids: torch.Tensor | None, logprobs: torch.Tensor | None = None,
+    extras: SamplingExtras | None = None,
+) -> LaunchedStep:
+    """The launched step: its tokens (and log-probabilities), their copy into pinned host
+    memory under way."""
     if token_ids is None:  # a rank that samples nothing (tensor parallelism, chapter 14.1)
         return LaunchedStep(None, None, None)
     if self.device.type != "cuda":
-        return LaunchedStep(token_ids, token_ids, None)
+        return LaunchedStep(token_ids, token_ids, None, host_logprobs=logprobs, extras=extras)
     host_ids = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
     host_ids.copy_(token_ids, non_blocking=True)
+    host_logprobs = None
+    if logprobs is not None:
+        host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+        host_logprobs.copy_(logprobs, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    return LaunchedStep(token_ids, host_ids, ready)
+    return LaunchedStep(token_ids, host_ids, ready, host_logprobs=host_logprobs, extras=extras)
 
 # %% ../../notebooks/09_model_runner.ipynb #5d3d1d94
 @patch
@@ -563,6 +584,21 @@ def collect(self: ModelRunner, step: LaunchedStep) -> list[int]:
     if step.ready is not None:
         self._wait(step.ready)
     return step.host_ids.tolist()
+
+
+@patch
+def collect_logprobs(self: ModelRunner, step: LaunchedStep) -> list[TokenLogprobs | None] | None:
+    """After `collect`: one TokenLogprobs per row that asked for log-probabilities, None for the
+    others; None when no row asked."""
+    if step.host_logprobs is None:
+        return None
+    rows: list[TokenLogprobs | None] = [None] * len(step.host_ids)
+    extras, packed = step.extras, step.host_logprobs.tolist()  # [L][1 + 2n]
+    n_max = (len(packed[0]) - 1) // 2 if packed else 0
+    for row, n, values in zip(extras.logprob_rows, extras.num_logprobs, packed):
+        top = zip(map(int, values[1 + n_max : 1 + n_max + n]), values[1 : 1 + n])
+        rows[row] = TokenLogprobs(int(step.host_ids[row]), values[0], tuple(top))
+    return rows
 
 
 @patch

@@ -218,9 +218,10 @@ def schedule(self: Scheduler) -> ScheduledBatch:
 # %% ../../notebooks/03_scheduler.ipynb #45941d87
 @patch
 def postprocess(
-    self: Scheduler, batch: ScheduledBatch, token_ids: list[int]
+    self: Scheduler, batch: ScheduledBatch, token_ids: list[int], logprobs: list | None = None
 ) -> list[Sequence]:
-    """Apply one sampled token per sequence, publish full blocks, retire finished sequences."""
+    """Apply one sampled token per sequence, publish full blocks, retire finished sequences;
+    `logprobs[i]`, where given, goes with row i's token (chapter 06)."""
     if len(token_ids) != len(batch.seqs):
         raise ValueError(
             f"got {len(token_ids)} tokens for a batch of {len(batch.seqs)} sequences"
@@ -229,10 +230,12 @@ def postprocess(
     hash_blocks, eos_token_ids, block_size = (
         self.block_manager.hash_blocks, self.eos_token_ids, self.block_size,
     )
-    for seq, token_id in zip(batch.seqs, token_ids):
+    for i, (seq, token_id) in enumerate(zip(batch.seqs, token_ids)):
         if seq.last_token == PENDING_TOKEN:
             # planned over (section 6): the placeholder becomes the real token
             seq.token_ids[-1] = seq.last_token = token_id
+            if logprobs is not None and logprobs[i] is not None:
+                seq.logprobs.append(logprobs[i])
             if seq.status is _FINISHED:  # its last token: retired when planning over
                 if not seq.sampling_params.ignore_eos and token_id in eos_token_ids:
                     seq.finish_reason = "stop"
@@ -251,6 +254,8 @@ def postprocess(
             if seq.num_cached_tokens < seq.num_tokens:
                 continue
             seq.append_token(token_id)
+            if logprobs is not None and logprobs[i] is not None:
+                seq.logprobs.append(logprobs[i])
         params = seq.sampling_params
         if not params.ignore_eos and token_id in eos_token_ids:
             seq.finish_reason = "stop"
