@@ -333,7 +333,10 @@ def test_async_tp2_equals_synchronous_tp1_with_stop_strings_chunking_prefix_hits
             pieces = [sync1.tokenizer.decode(out["token_ids"][:k], skip_special_tokens=True) for k in (8, 9)]
             stops.append(pieces[1][len(pieces[0]):].strip() or None)
         stops[1::2] = [None] * len(stops[1::2])  # the others run to max_tokens: preemption
-        params = [SamplingParams(temperature=0, max_tokens=24, stop=s) for s in stops]
+        extras = [{}, dict(presence_penalty=1.5, repetition_penalty=1.3, logprobs=2),
+                  dict(min_tokens=10, frequency_penalty=0.5)]  # counted with tokens in flight at tp=2
+        params = [SamplingParams(temperature=0, max_tokens=24, stop=s, **extras[i % 3])
+                  for i, s in enumerate(stops)]
         expected = [sync1.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
         assert not any(r.planned_ahead for r in sync1.trace)
     assert sum(o["finish_reason"] == "stop" for o in expected[0]) >= 2, "stop strings ended several requests"
@@ -348,6 +351,11 @@ def test_async_tp2_equals_synchronous_tp1_with_stop_strings_chunking_prefix_hits
     for run_expected, run_got in zip(expected, got):
         assert [(o["token_ids"], o["finish_reason"], o["text"]) for o in run_got] == \
                [(o["token_ids"], o["finish_reason"], o["text"]) for o in run_expected]
+        for a, b in zip(run_got, run_expected):
+            assert (a["logprobs"] is None) == (b["logprobs"] is None)
+            for x, y in zip(a["logprobs"] or [], b["logprobs"] or []):
+                assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+                assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
 def test_a_script_without_a_main_guard_is_told_what_to_do(ckpt, tmp_path):
