@@ -4,11 +4,11 @@
 __all__ = ['MAX_BODY_BYTES', 'HEADER_TIMEOUT_S', 'BODY_TIMEOUT_S', 'TTFT_BUCKETS', 'ITL_BUCKETS', 'OUTCOMES', 'SHUTDOWN_GRACE_S',
            'ENGINE_FLAGS', 'LEAST', 'Mailbox', 'mailbox', 'Call', 'sse', 'stream_events', 'EventStream',
            'check_api_key', 'check_content_type', 'read_body', 'parse_json', 'read_json', 'max_prompt_chars',
-           'Tokenizing', 'timeout_response', 'TimedH11Protocol', 'host_name', 'is_loopback', 'host_allowlist',
-           'check_host', 'Metrics', 'error_response', 'add_error_handlers', 'ServedModel', 'tokenizer_and_vocab',
-           'serve_model', 'create_app', 'add_info_routes', 'collect', 'client_gone', 'parse_generation',
-           'add_generation_routes', 'tokenize_text', 'detokenize_ids', 'add_token_routes', 'parse_args',
-           'engine_kwargs', 'Server', 'server_config', 'main']
+           'Tokenizing', 'TokenStrings', 'timeout_response', 'TimedH11Protocol', 'host_name', 'is_loopback',
+           'host_allowlist', 'check_host', 'Metrics', 'error_response', 'add_error_handlers', 'ServedModel',
+           'tokenizer_and_vocab', 'serve_model', 'create_app', 'add_info_routes', 'collect', 'client_gone',
+           'parse_generation', 'add_generation_routes', 'tokenize_text', 'detokenize_ids', 'add_token_routes',
+           'parse_args', 'engine_kwargs', 'Server', 'server_config', 'main']
 
 # %% ../notebooks/15b_server.ipynb #309204b7
 import argparse
@@ -37,9 +37,10 @@ from fastcore.basics import patch
 from .llm import LLM
 from .serving.engine_loop import (Delta, EngineLoop, EngineProcess, Failed, Rejected,
                                            Submission, engine_stats, tokenize_prompts)
-from .serving.protocol import (ApiError, ParsedRequest, TokenizeRequest, brief, choice,
-                                        new_id, parse_detokenize, parse_request, parse_tokenize,
-                                        response)
+from .serving.protocol import (ApiError, ParsedRequest, TokenizeRequest, brief,
+                                        chat_logprobs, choice, completion_logprobs, new_id,
+                                        parse_detokenize, parse_request, parse_tokenize, response,
+                                        token_id_text)
 from .serving.protocol import usage as usage_body
 
 try:
@@ -112,6 +113,7 @@ class Call:
         self.submitted = time.perf_counter()
         self.num_prompt_tokens = 0
         self.num_tokens: list[int] = []  # per sequence, so far
+        self.text_offsets: list[int] = []  # per sequence, the characters of its token strings
         self.token_times: list[float | None] = []  # per sequence, when its latest tokens came
         self.num_open = 0  # sequences not finished yet
         self.outcome: str | None = None  # finished, rejected, failed or cancelled, once known
@@ -134,6 +136,7 @@ class Call:
             raise ApiError(event.message, None, status=503, type="server_error")
         self.num_prompt_tokens = sum(event.num_prompt_tokens[::self.parsed.submission.n])
         self.num_tokens = [0] * len(event.num_prompt_tokens)
+        self.text_offsets = [0] * len(event.num_prompt_tokens)
         self.token_times = [None] * len(event.num_prompt_tokens)
         self.num_open = len(self.num_tokens)
 
@@ -141,7 +144,7 @@ class Call:
 @patch
 async def deltas(self: Call):
     """The request's Deltas until every sequence has finished; Failed raises ApiError. Deltas
-    that queued up while the stream was busy leave as one (their texts joined)."""
+    that queued up while the stream was busy leave as one (texts and log-probabilities joined)."""
     while self.num_open:
         event, self.pending = self.pending or await self.events.get(), None
         while type(event) is Delta and event.finish_reason is None and not self.events.empty():
@@ -149,8 +152,9 @@ async def deltas(self: Call):
             if type(later) is not Delta or later.index != event.index:
                 self.pending = later
                 break
+            logprobs = None if event.logprobs is None else event.logprobs + later.logprobs
             event = Delta(event.index, event.text + later.text, later.num_tokens,
-                          later.finish_reason)
+                          later.finish_reason, logprobs)
         if isinstance(event, Failed):
             self.outcome = "failed"
             raise ApiError(event.message, None, status=503, type="server_error")
@@ -176,6 +180,20 @@ def _count(self: Call, delta: Delta) -> None:
         self.outcome = "finished"
 
 # %% ../notebooks/15b_server.ipynb #abc271a9
+@patch
+def logprobs(self: Call, index: int, entries: list | None,
+             token_text: Callable[[int], str] = token_id_text) -> dict | None:
+    """A choice's `logprobs` for these new tokens (None unless asked); a completion's text
+    offsets go on from the choice's earlier tokens."""
+    if entries is None:
+        return None
+    if self.parsed.submission.chat:
+        return chat_logprobs(entries, token_text)
+    body = completion_logprobs(entries, token_text, self.text_offsets[index])
+    self.text_offsets[index] += sum(map(len, body["tokens"]))
+    return body
+
+
 @patch
 def usage(self: Call) -> dict:
     """The request's `usage`: its prompt tokens and the completion tokens so far."""
@@ -207,8 +225,10 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def stream_events(call: Call, chat: bool, model: str):
-    """A request's chunks as server-sent events, ending with `data: [DONE]`."""
+async def stream_events(call: Call, chat: bool, model: str,
+                        token_text: Callable[[int], str] = token_id_text):
+    """A request's chunks as server-sent events, ending with `data: [DONE]`; each chunk carries
+    the log-probabilities of its own tokens, if asked."""
     request_id, created = new_id(chat), int(time.time())
     if chat:
         for i in range(len(call.num_tokens)):
@@ -217,7 +237,8 @@ async def stream_events(call: Call, chat: bool, model: str):
             yield sse(response(chat, request_id, created, model, [first], None, chunk=True))
     try:
         async for d in call.deltas():
-            piece = choice(chat, d.index, d.text, d.finish_reason, chunk=True)
+            logprobs = call.logprobs(d.index, d.logprobs, token_text)
+            piece = choice(chat, d.index, d.text, d.finish_reason, chunk=True, logprobs=logprobs)
             yield sse(response(chat, request_id, created, model, [piece], None, chunk=True))
     except ApiError as e:
         yield sse(e.body())
@@ -340,6 +361,23 @@ class Tokenizing:
         if not hasattr(self.local, "tokenizer"):
             self.local.tokenizer = copy.deepcopy(self.tokenizer)
         return fn(self.local.tokenizer, *args)
+
+# %% ../notebooks/15b_server.ipynb #d5e10002
+class TokenStrings:
+    """Each token's own string, `tokenizer.decode([id])`, cached: for log-probabilities, on the
+    event loop's thread only (its tokenizer is a copy that no other thread uses)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self.cache: dict[int, str] = {}  # at most one entry per token of the vocabulary
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = (token_id_text(token_id) if self.tokenizer is None
+                    else self.tokenizer.decode([token_id]))
+            self.cache[token_id] = text
+        return text
 
 # %% ../notebooks/15b_server.ipynb #212e65d7
 HEADER_TIMEOUT_S = 10.0  # --header-timeout: a request's headers must arrive within this
@@ -555,6 +593,7 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     tokenizing: Tokenizing
+    token_strings: TokenStrings
     max_prompt_chars: int | None
     max_body_bytes: int = MAX_BODY_BYTES
     metrics: Metrics = field(default_factory=Metrics)
@@ -572,7 +611,8 @@ def serve_model(engine_loop: EngineLoop | EngineProcess, name: str,
     tokenizer, vocab_size = engine_loop.call(tokenizer_and_vocab).result()
     max_model_len = engine_loop.max_model_len
     return ServedModel(engine_loop, name, max_model_len, vocab_size, Tokenizing(tokenizer),
-                       max_prompt_chars(tokenizer, max_model_len), max_body_bytes)
+                       TokenStrings(tokenizer), max_prompt_chars(tokenizer, max_model_len),
+                       max_body_bytes)
 
 # %% ../notebooks/15b_server.ipynb #0c38a307
 def create_app(engine_loop: EngineLoop | EngineProcess, served_model_name: str, *,
@@ -622,14 +662,19 @@ def add_info_routes(app: FastAPI, served: ServedModel) -> None:
         return Response(served.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 # %% ../notebooks/15b_server.ipynb #37e78a5b
-async def collect(call: Call, chat: bool, model: str) -> dict:
+async def collect(call: Call, chat: bool, model: str,
+                  token_text: Callable[[int], str] = token_id_text) -> dict:
     """A whole (not streamed) response."""
     n = len(call.num_tokens)
-    texts, reasons = [""] * n, [None] * n
+    texts, reasons, entries = [""] * n, [None] * n, [[] for _ in range(n)]
     async for d in call.deltas():
         texts[d.index] += d.text
         reasons[d.index] = d.finish_reason
-    choices = [choice(chat, i, texts[i], reasons[i]) for i in range(n)]
+        entries[d.index] += d.logprobs or []
+    asked = call.parsed.submission.params.logprobs is not None
+    choices = [choice(chat, i, texts[i], reasons[i],
+                      logprobs=call.logprobs(i, entries[i] if asked else None, token_text))
+               for i in range(n)]
     return response(chat, new_id(chat), int(time.time()), model, choices, call.usage())
 
 
@@ -665,8 +710,9 @@ def add_generation_routes(app: FastAPI, served: ServedModel) -> None:
             await call.start()
             if parsed.stream:
                 streaming = True  # from here on, the response closes the call when it ends
-                return EventStream(stream_events(call, chat, served.name), call.close)
-            answer = asyncio.ensure_future(collect(call, chat, served.name))
+                events = stream_events(call, chat, served.name, served.token_strings)
+                return EventStream(events, call.close)
+            answer = asyncio.ensure_future(collect(call, chat, served.name, served.token_strings))
             gone = asyncio.ensure_future(client_gone(request))
             await asyncio.wait([answer, gone], return_when=asyncio.FIRST_COMPLETED)
             gone.cancel()

@@ -181,6 +181,21 @@ def test_stop_token_ids_through_the_official_client(client, llm):
         assert e.value.body["param"] == "stop_token_ids"
 
 
+def test_logprobs_penalties_and_min_tokens_equal_generate(client, llm):
+    """The sampling extras on the tiny model (tests/test_serve_sampling.py covers them on SmolLM2)."""
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, presence_penalty=1.0, repetition_penalty=1.3,
+                            min_tokens=8)
+    expected = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2,
+                                    presence_penalty=1.0, extra_body={"repetition_penalty": 1.3, "min_tokens": 8})
+    assert got.choices[0].text == expected["text"] and got.usage.completion_tokens == 8
+    assert all(abs(a - e.logprob) < 1e-4 for a, e in zip(got.choices[0].logprobs.token_logprobs,
+                                                          expected["logprobs"], strict=True))
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2, frequency_penalty=-1.0)
+    assert [len(t.top_logprobs) for t in chat.choices[0].logprobs.content] == [2] * chat.usage.completion_tokens
+
+
 def test_n_and_seeded_sampling(client):
     kwargs = dict(model=MODEL, prompt="Once", max_tokens=12, temperature=1.0, top_p=0.9, seed=7, n=3,
                   extra_body={"top_k": 50})
@@ -200,7 +215,13 @@ BAD = [
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "stop": ["a", 3]}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "min_tokens": 17}, "min_tokens"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ({"prompt": 3}, "prompt"),
     ({"prompt": ""}, "prompt"),

@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['Submission', 'Accepted', 'Rejected', 'Failed', 'Delta', 'LiveRequest', 'tokenize_prompts', 'check_sampling', 'admit',
-           'publish', 'apply_command', 'EngineLoop', 'engine_stats', 'pack', 'unpack', 'sendable',
+           'publish', 'stop_floor', 'apply_command', 'EngineLoop', 'engine_stats', 'pack', 'unpack', 'sendable',
            'engine_process_main', 'take_messages', 'EngineProcess']
 
 # %% ../../notebooks/15_serve.ipynb #6daf3d9b
@@ -25,7 +25,7 @@ from fastcore.basics import patch
 
 from ..engine.llm_engine import IncrementalText, LLMEngine, find_stop, held_back
 from ..engine.scheduler import PENDING_TOKEN
-from ..engine.sequence import Sequence
+from ..engine.sequence import Sequence, TokenLogprobs
 from ..layers.sampler import SamplingBatch
 from ..sampling_params import SamplingParams
 
@@ -69,6 +69,7 @@ class Delta:
     text: str
     num_tokens: int  # completion tokens so far
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asks
 
 
 @dataclass(slots=True)
@@ -80,11 +81,14 @@ class LiveRequest:
     texts: list[IncrementalText] = field(init=False)  # each sequence's text so far
     num_sent: list[int] = field(init=False)  # characters of each text already emitted
     done: list[bool] = field(init=False)
+    floors: list[int | None] = field(init=False)  # where a stop string may end (min_tokens)
 
     def __post_init__(self) -> None:
         self.texts = [IncrementalText(self.tokenizer) for _ in self.seqs]
         self.num_sent = [0] * len(self.seqs)
         self.done = [False] * len(self.seqs)
+        self.floors = [None if seq.sampling_params.min_tokens > 1 and seq.sampling_params.stop
+                       else 0 for seq in self.seqs]  # None: not known yet
 
 # %% ../../notebooks/15_serve.ipynb #d032fc9f
 def tokenize_prompts(tokenizer, submission: Submission) -> list:
@@ -105,7 +109,9 @@ def check_sampling(seqs: list[Sequence]) -> None:
     become one fails here, before it is queued, instead of inside a step of everyone's batch."""
     params = [seq.sampling_params for seq in seqs]
     try:
-        batch = SamplingBatch.from_params(params, [len(seq) for seq in seqs])
+        batch = SamplingBatch.from_params(params, [len(seq) for seq in seqs],
+                                          token_ids=[seq.token_ids for seq in seqs],
+                                          num_prompt_tokens=[seq.num_prompt_tokens for seq in seqs])
     except (OverflowError, TypeError, ValueError) as e:
         raise ValueError(f"the sampling settings do not fit the sampler's tensors: {e}") from None
     for name in ("temperatures", "top_ps"):
@@ -124,9 +130,10 @@ def admit(engine: LLMEngine, submission: Submission) -> list[Sequence]:
         max_tokens = submission.params.max_tokens
         if submission.fit_max_tokens:
             max_tokens = max(1, min(max_tokens, engine.config.max_model_len - len(prompt)))
+        min_tokens = min(submission.params.min_tokens, max_tokens)  # the context's end stops all
         seed = submission.params.seed
-        params += [replace(submission.params, max_tokens=max_tokens, stop=stop,
-                           seed=None if seed is None else (seed + j) % 2**63)
+        params += [replace(submission.params, max_tokens=max_tokens, min_tokens=min_tokens,
+                           stop=stop, seed=None if seed is None else (seed + j) % 2**63)
                    for j in range(submission.n)]
     seqs = engine._make_requests([p for p in prompts for _ in range(submission.n)], params)
     check_sampling(seqs)
@@ -136,26 +143,37 @@ def admit(engine: LLMEngine, submission: Submission) -> list[Sequence]:
 
 
 def publish(engine: LLMEngine, request: LiveRequest) -> bool:
-    """Emit each sequence's new text, short of a possible stop string; True once all are done."""
+    """Emit each sequence's new text, short of a possible stop string, with its new tokens'
+    log-probabilities if asked; True once all are done."""
     for i, (seq, text) in enumerate(zip(request.seqs, request.texts)):
         if request.done[i]:
             continue
         num_tokens = seq.num_completion_tokens - (seq.last_token == PENDING_TOKEN)
-        if num_tokens == text.num_tokens and not seq.is_finished:
+        num_published = text.num_tokens  # tokens of the earlier Deltas
+        if num_tokens == num_published and not seq.is_finished:
             continue
         if seq.is_finished:
             ready = engine._text(seq)  # decoded whole and cut at the stop string, as generate's
         else:
             text.advance(seq)
-            stop = seq.sampling_params.stop
-            cut = find_stop(text.text, stop)  # found by the engine at its next check
+            stop, floor = seq.sampling_params.stop, stop_floor(engine, request, i, num_tokens)
+            cut = -1 if floor is None else find_stop(text.text, stop, floor=floor)
             ready = text.text[:cut if cut >= 0 else len(text.text) - held_back(text.text, stop)]
         new = ready[request.num_sent[i]:]
         request.num_sent[i] = max(request.num_sent[i], len(ready))
         reason = seq.finish_reason if seq.is_finished else None
-        request.emit(Delta(i, new, num_tokens, reason))  # text may be empty
+        logprobs = None if seq.logprobs is None else seq.logprobs[num_published:num_tokens]
+        request.emit(Delta(i, new, num_tokens, reason, logprobs))  # text may be empty
         request.done[i] = seq.is_finished
     return all(request.done)
+
+
+def stop_floor(engine: LLMEngine, request: LiveRequest, i: int, num_tokens: int) -> int | None:
+    """Where sequence i's stop strings may end (the engine's `_stop_floor`), decoded once its
+    first min_tokens - 1 tokens exist; None before that, when no stop string can count yet."""
+    if request.floors[i] is None and num_tokens >= request.seqs[i].sampling_params.min_tokens - 1:
+        request.floors[i] = engine._stop_floor(request.seqs[i])
+    return request.floors[i]
 
 # %% ../../notebooks/15_serve.ipynb #642c9f84
 def apply_command(engine: LLMEngine, live: dict[int, LiveRequest], command: tuple) -> bool:
@@ -340,16 +358,21 @@ def engine_stats(engine: LLMEngine, since_step: int = 0) -> dict:
 
 # %% ../../notebooks/15_serve.ipynb #a1f0e502
 def pack(request_id: int, event: object) -> tuple:
-    """An event as a small tuple for the pipe: a Delta's fields, or the event object itself."""
+    """An event as a small tuple for the pipe: a Delta's fields (log-probabilities as tuples too),
+    or the event object itself."""
     if type(event) is Delta:
-        return (request_id, event.index, event.text, event.num_tokens, event.finish_reason)
+        logprobs = (None if event.logprobs is None
+                    else [(t.token_id, t.logprob, t.top) for t in event.logprobs])
+        return (request_id, event.index, event.text, event.num_tokens, event.finish_reason,
+                logprobs)
     return (request_id, event)
 
 
 def unpack(item: tuple) -> tuple[int, object]:
     """(request id, event) of a packed event."""
-    if len(item) == 5:
-        return item[0], Delta(*item[1:])
+    if len(item) == 6:
+        logprobs = None if item[5] is None else [TokenLogprobs(*t) for t in item[5]]
+        return item[0], Delta(*item[1:5], logprobs)
     return item[0], item[1]
 
 

@@ -2,18 +2,21 @@
 
 # %% auto #0
 __all__ = ['SAMPLING_FIELDS', 'COMMON_FIELDS', 'COMPLETION_FIELDS', 'CHAT_FIELDS', 'NEUTRAL', 'ROLES', 'MAX_CHOICES',
-           'DEFAULT_MAX_TOKENS', 'TOKENIZE_FLAGS', 'TOKENIZE_FIELDS', 'brief', 'ApiError', 'check_fields',
-           'check_model', 'is_token_ids', 'parse_prompt', 'parse_messages', 'parse_stop', 'parse_sampling',
-           'check_prompt_sizes', 'ParsedRequest', 'parse_flag', 'parse_request', 'new_id', 'choice', 'response',
-           'usage', 'TokenizeRequest', 'check_known', 'parse_tokenize', 'parse_detokenize']
+           'DEFAULT_MAX_TOKENS', 'LOGPROB_FLOOR', 'TOKENIZE_FLAGS', 'TOKENIZE_FIELDS', 'brief', 'ApiError',
+           'check_fields', 'check_model', 'is_token_ids', 'parse_prompt', 'parse_messages', 'parse_stop',
+           'check_prompt_sizes', 'sampling_params', 'parse_logprobs', 'parse_sampling', 'ParsedRequest', 'parse_flag',
+           'parse_request', 'new_id', 'choice', 'response', 'usage', 'token_id_text', 'completion_logprobs',
+           'chat_logprobs', 'TokenizeRequest', 'check_known', 'parse_tokenize', 'parse_detokenize']
 
 # %% ../../notebooks/15a_openai_protocol.ipynb #7d646506
 import reprlib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .engine_loop import Submission
-from ..sampling_params import SamplingParams
+from ..engine.sequence import TokenLogprobs
+from ..sampling_params import MAX_INT32, SamplingParams
 
 
 _REPR = reprlib.Repr()  # reprlib's limits, tighter: 2 levels deep, 40 characters a value
@@ -41,13 +44,13 @@ class ApiError(Exception):
 
 # %% ../../notebooks/15a_openai_protocol.ipynb #bf0435fe
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "ignore_eos",
-                   "stop_token_ids")
+                   "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
 COMMON_FIELDS = frozenset(SAMPLING_FIELDS) | {"model", "n", "stop", "stream", "stream_options",
-                                              "user"}
+                                              "user", "logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "echo": False,
-           "best_of": 1, "logit_bias": {}, "suffix": "", "top_logprobs": 0, "tools": [],
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+NEUTRAL = {"echo": False, "best_of": 1, "logit_bias": {}, "suffix": "", "tools": [],
            "response_format": {"type": "text"}}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 128  # prompts x n in one request
@@ -122,21 +125,6 @@ def parse_stop(stop) -> tuple[str, ...]:
     return tuple(stops)
 
 # %% ../../notebooks/15a_openai_protocol.ipynb #ec4de180
-def parse_sampling(body: dict, max_tokens_field: str, default_max_tokens: int) -> SamplingParams:
-    """SamplingParams from the request, each field checked alone so that an error names it."""
-    values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
-    if body.get(max_tokens_field) is not None:
-        values["max_tokens"] = body[max_tokens_field]
-    values.setdefault("max_tokens", default_max_tokens)
-    for name, value in values.items():
-        try:
-            SamplingParams(**{name: value})
-        except (TypeError, ValueError, OverflowError) as e:
-            field = max_tokens_field if name == "max_tokens" else name
-            raise ApiError(str(e).replace(name, field, 1), field) from None
-    return SamplingParams(**values)
-
-
 def check_prompt_sizes(prompts: list, max_model_len: int, max_prompt_chars: int | None) -> None:
     """Refuse, before tokenizing, a prompt that cannot fit: more token ids than max_model_len,
     or more characters than max_prompt_chars (so many that no tokenization could fit)."""
@@ -153,6 +141,48 @@ def check_prompt_sizes(prompts: list, max_model_len: int, max_prompt_chars: int 
             raise ApiError(f"prompt {i} has {size} {unit}, more than can fit in max_model_len "
                            f"({max_model_len} tokens: at most {most} {unit})",
                            "messages" if chat else "prompt", code="context_length_exceeded")
+
+# %% ../../notebooks/15a_openai_protocol.ipynb #c4a70002
+def sampling_params(values: dict, name: str, field: str) -> SamplingParams:
+    """SamplingParams(**values), or an ApiError naming `field` (the request's name for `name`)."""
+    try:
+        return SamplingParams(**values)
+    except (TypeError, ValueError, OverflowError) as e:
+        message = str(e).replace(name, field, 1)
+        raise ApiError(message if len(message) <= 300 else message[:297] + "...", field) from None
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """SamplingParams.logprobs of a request: completions' `logprobs` (an integer), or chat's
+    `top_logprobs` (0 when absent) when its `logprobs` is true; None when none are asked for."""
+    if not chat:
+        return body.get("logprobs")
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise ApiError(f"logprobs must be true or false, got {brief(asked)}", "logprobs")
+    if top is not None:
+        sampling_params({"logprobs": top}, "logprobs", "top_logprobs")
+    if top and not asked:
+        raise ApiError(f"top_logprobs={top} needs logprobs: true", "top_logprobs")
+    return (top or 0) if asked else None
+
+
+def parse_sampling(body: dict, max_tokens_field: str, default_max_tokens: int, *,
+                   chat: bool = False) -> SamplingParams:
+    """SamplingParams from the request, each field checked alone so that an error names it, then
+    all together (min_tokens against the request's own max_tokens)."""
+    values = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    if body.get(max_tokens_field) is not None:
+        values["max_tokens"] = body[max_tokens_field]
+    values.setdefault("max_tokens", default_max_tokens)
+    logprobs = parse_logprobs(body, chat)
+    if logprobs is not None:
+        values["logprobs"] = logprobs
+    fields = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs" if chat else "logprobs"}
+    for name, value in values.items():
+        alone = {name: value} | ({"max_tokens": MAX_INT32} if name == "min_tokens" else {})
+        sampling_params(alone, name, fields.get(name, name))
+    return sampling_params(values, "min_tokens", "min_tokens")
 
 # %% ../../notebooks/15a_openai_protocol.ipynb #0041daa2
 @dataclass(slots=True)
@@ -183,7 +213,8 @@ def parse_request(body, served_model_name: str, *, chat: bool, max_model_len: in
     newer = chat and "max_completion_tokens" in body
     max_field = "max_completion_tokens" if newer else "max_tokens"
     fit = chat and body.get(max_field) is None
-    params = parse_sampling(body, max_field, max_model_len if fit else DEFAULT_MAX_TOKENS)
+    params = parse_sampling(body, max_field, max_model_len if fit else DEFAULT_MAX_TOKENS,
+                            chat=chat)
     n, most = (1 if body.get("n") is None else body["n"]), MAX_CHOICES // len(prompts)
     if type(n) is not int or not 1 <= n <= most:
         raise ApiError(f"n must be an integer in [1, {most}], got {brief(n)}", "n")
@@ -205,7 +236,7 @@ def new_id(chat: bool) -> str:
 
 
 def choice(chat: bool, index: int, text: str, finish_reason: str | None, *,
-           chunk: bool = False) -> dict:
+           chunk: bool = False, logprobs: dict | None = None) -> dict:
     """One entry of `choices`, for a whole response or for a streamed chunk."""
     out: dict = {"index": index}
     if not chat:
@@ -214,7 +245,7 @@ def choice(chat: bool, index: int, text: str, finish_reason: str | None, *,
         out["delta"] = {"content": text} if text else {}
     else:
         out["message"] = {"role": "assistant", "content": text}
-    return out | {"logprobs": None, "finish_reason": finish_reason}
+    return out | {"logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def response(chat: bool, request_id: str, created: int, model: str, choices: list[dict],
@@ -228,6 +259,46 @@ def response(chat: bool, request_id: str, created: int, model: str, choices: lis
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+# %% ../../notebooks/15a_openai_protocol.ipynb #c4a70005
+LOGPROB_FLOOR = -9999.0  # what OpenAI and vLLM write for a log-probability of -inf (not JSON)
+
+
+def token_id_text(token_id: int) -> str:
+    """A token's string where there is no tokenizer: vLLM's `token_id:<id>`."""
+    return f"token_id:{token_id}"
+
+
+def completion_logprobs(entries: list[TokenLogprobs],
+                        token_text: Callable[[int], str] = token_id_text, offset: int = 0) -> dict:
+    """A completion choice's `logprobs`: each token's string and log-probability, the sampled and
+    the most likely tokens at its place, and text offsets counted from `offset`."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
+    for entry in entries:
+        text, logprob = token_text(entry.token_id), max(entry.logprob, LOGPROB_FLOOR)
+        top = {text: logprob}  # the sampled token first, as vLLM's
+        for token_id, alternative in entry.top:
+            top.setdefault(token_text(token_id), max(alternative, LOGPROB_FLOOR))
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(entries: list[TokenLogprobs],
+                  token_text: Callable[[int], str] = token_id_text) -> dict:
+    """A chat choice's `logprobs`: each token's string, log-probability and UTF-8 bytes, and the
+    most likely tokens at its place, most likely first."""
+
+    def one(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode())}
+
+    return {"content": [one(e.token_id, e.logprob) | {"top_logprobs": [one(*t) for t in e.top]}
+                        for e in entries]}
 
 # %% ../../notebooks/15a_openai_protocol.ipynb #602e3d2a
 TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt", "return_token_strs")
