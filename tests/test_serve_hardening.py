@@ -88,6 +88,8 @@ HUGE_NUMBERS = [  # (field, raw JSON value): every one used to reach the engine,
     ("top_k", str(2**64)), ("top_k", str(2**31)), ("seed", str(2**64)), ("max_tokens", str(2**64)),
     ("n", str(2**64)), ("temperature", "1" + "0" * 400), ("top_p", "1" + "0" * 400),
     ("temperature", "1e400"), ("temperature", "NaN"), ("temperature", "-Infinity"),
+    ("min_tokens", str(2**64)), ("min_tokens", "1" + "0" * 400), ("logprobs", "1" + "0" * 400),
+    ("presence_penalty", "1e400"), ("frequency_penalty", "-Infinity"), ("repetition_penalty", "NaN"),
 ]
 
 
