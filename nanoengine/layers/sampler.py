@@ -279,7 +279,7 @@ class SamplingExtras:
     output_pairs: torch.Tensor | None = None  # [2, N] int64: (index in R, token) per output token
     seen_pairs: torch.Tensor | None = None  # [2, M] int64: the same for prompt tokens (repetition)
     pending: torch.Tensor | None = None  # [2, P] int64: (index in R, batch row) of a placeholder
-    pending_tokens: torch.Tensor | None = None  # [D] the step in flight's tokens (set by the runner)
+    pending_tokens: torch.Tensor | None = None  # [D] tokens of the step in flight (runner sets)
     any_repetition: bool = False
     banned: torch.Tensor | None = None  # [2, K] int64: (row, token) that may not be sampled yet
     logprob_rows: list[int] = field(default_factory=list)  # rows that asked for log-probabilities
@@ -316,7 +316,8 @@ def build(
         if not (sp.min_tokens or sp.needs_history):
             continue
         if token_ids is None or num_prompt_tokens is None:
-            raise ValueError("rows with min_tokens or a penalty need token_ids and num_prompt_tokens")
+            raise ValueError(
+                "rows with min_tokens or a penalty need token_ids and num_prompt_tokens")
         if positions[i] - num_prompt_tokens[i] < sp.min_tokens:  # too early to end
             stops = sp.stop_token_ids + (() if sp.ignore_eos else eos_token_ids)
             stops = [t for t in stops if vocab_size is None or t < vocab_size]
