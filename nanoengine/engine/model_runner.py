@@ -97,10 +97,12 @@ class ModelRunner:
     decode_table_width: int = 0  # ... their block tables padded this wide (the decode graphs')
     last_sample: tuple[list, SamplingBatch | None] = ([], None)  # the last step's params, batch
     eos_token_ids: tuple[int, ...] = ()  # what min_tokens holds back (the engine sets them)
+    vocab_size: int | None = None  # stop ids at or above it never ban a token (from the config)
     graphs: CUDAGraphDecoder | None = None  # the decode graphs (chapter 11), captured last
 
     def __init__(self, config: Config, rank: int = 0, local_rank: int | None = None):
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
+        self.vocab_size = config.hf_config.vocab_size
         self.dtype, self.block_size, self.closed = config.dtype, config.kvcache_block_size, False
         self.device, self.baseline_bytes = self._claim_device(
             rank if local_rank is None else local_rank
@@ -402,7 +404,7 @@ def prepare_sample(self: ModelRunner, seqs: list[Sequence]) -> SamplingBatch:
         params, [seq.num_tokens for seq in seqs], device=self.device, check=False,
         token_ids=[seq.token_ids for seq in seqs],
         num_prompt_tokens=[seq.num_prompt_tokens for seq in seqs],
-        eos_token_ids=self.eos_token_ids, vocab_size=self.config.hf_config.vocab_size,
+        eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size,
     )
     self.last_sample = (params, batch)
     return batch
