@@ -36,11 +36,11 @@ def launch(q, kc, vc, tables, lens, out, part, stats, partition, num_parts, bloc
     """paged_decode's launch with the tile, warps and stages given (and, unsplit, the sequences' order)."""
     pdl, ordered = pdl_capable(q.device), order is not None and num_parts == 1
     _decode_kernel[(KV_HEADS, q.shape[0], num_parts)](
-        q, kc, vc, tables, lens, order if ordered else lens, out, part, stats, HEAD_DIM**-0.5, q.stride(0),
+        q, kc, vc, kc, vc, tables, lens, order if ordered else lens, out, part, stats, HEAD_DIM**-0.5, q.stride(0),
         q.stride(1), kc.stride(0), kc.stride(1), tables.stride(0), out.stride(0), out.stride(1), PARTITION=partition,
         BLOCK_SIZE=BLOCK, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, D=HEAD_DIM, BLOCK_N=block_n, SPLIT=num_parts > 1,
         ORDERED=ordered, PDL=pdl,
-        INTERPRET=False, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        INTERPRET=False, FP8=False, launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     if num_parts > 1:
         _combine_kernel[(q.shape[0], HEADS)](

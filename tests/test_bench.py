@@ -163,7 +163,9 @@ def test_every_rung_is_a_valid_engine_configuration(tiny_checkpoint, rung):
     engine_only = {k: v for k, v in settings.items() if k not in fields}
     assert engine_only in ({}, {"async_scheduling": False})
     switched = len(config.optimizations.off()) + (not config.enable_prefix_caching) + config.enforce_eager
-    assert switched + len(engine_only) == (rung not in ("all optimisations", "torch attention"))
+    adds = ("all optimisations", "torch attention", "fp8 KV cache")  # rungs that switch nothing off
+    assert switched + len(engine_only) == (rung not in adds)
+    assert (config.kv_cache_dtype == "fp8") == (rung == "fp8 KV cache")
 
 
 def test_a_rung_builds_its_engine(tiny_checkpoint):

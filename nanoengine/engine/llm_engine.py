@@ -167,7 +167,8 @@ class LLMEngine:
         num_kvcache_blocks: int | None = None, kvcache_block_size: int = 256,
         tensor_parallel_size: int = 1, enforce_eager: bool = False,
         enable_prefix_caching: bool = True, attention_backend: str = "auto",
-        optimizations: Optimizations = Optimizations(), async_scheduling: bool = True,
+        kv_cache_dtype: str = "auto", optimizations: Optimizations = Optimizations(),
+        async_scheduling: bool = True,
         make_runner: RunnerFactory = one_rank_runner, **unknown,
     ):
         refuse_unknown(type(self), unknown)  # a misspelt setting: TypeError naming the closest
@@ -179,7 +180,7 @@ class LLMEngine:
             num_kvcache_blocks=num_kvcache_blocks, kvcache_block_size=kvcache_block_size,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-            device=device, dtype=dtype, optimizations=optimizations,
+            kv_cache_dtype=kv_cache_dtype, device=device, dtype=dtype, optimizations=optimizations,
             hf_config=checkpoint_config(path),
         )
         model_class(self.config.hf_config)  # an architecture it cannot serve: ValueError now

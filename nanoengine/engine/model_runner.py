@@ -40,9 +40,9 @@ _TYPECODES = {torch.int64: "q", torch.int32: "i"}  # array's codes for the packe
 
 
 def kv_block_bytes(config: Config) -> int:
-    """Bytes of one KV block (K and V, every layer) on one rank."""
+    """Bytes of one KV block (K and V, every layer, float8 scales too) on one rank."""
     return config.kvcache_block_size * kv_cache_bytes_per_token(
-        config.hf_config, config.dtype, config.tensor_parallel_size
+        config.hf_config, config.kv_dtype, config.tensor_parallel_size
     )
 
 
@@ -191,14 +191,19 @@ def allocate_kv_cache(self: ModelRunner) -> int:
     num_kv_heads, head_dim = (
         self.attention_layers[0].num_kv_heads, self.attention_layers[0].head_dim,
     )
+    shape = (2, len(self.attention_layers), num_blocks, self.block_size, num_kv_heads)
     self.kv_cache = torch.zeros(
-        2, len(self.attention_layers), num_blocks, self.block_size, num_kv_heads, head_dim,
-        dtype=self.dtype, device=self.device,
+        *shape, head_dim, dtype=self.config.kv_dtype, device=self.device
     )  # [K/V, layer, block, slot, head, dim]
+    self.kv_scales = None  # a float8 cache: a float32 scale per row, [K/V, layer, block, slot, head]
+    if self.config.kv_dtype == torch.float8_e4m3fn:
+        self.kv_scales = torch.ones(shape, dtype=torch.float32, device=self.device)
     for i, layer in enumerate(self.attention_layers):
         layer.k_cache, layer.v_cache, layer.backend = (
             self.kv_cache[0, i], self.kv_cache[1, i], self.backend,
         )
+        if self.kv_scales is not None:
+            layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
     return num_blocks
 
 
@@ -261,9 +266,9 @@ def _free(self: ModelRunner) -> None:
     self.closed = True
     for layer in self.attention_layers:
         layer.k_cache = layer.v_cache = torch.tensor([])
-        layer.backend = None
+        layer.k_scale = layer.v_scale = layer.backend = None
     self.attention_layers = []
-    self.kv_cache = self.graphs = self.model = self.sampler = self.backend = None
+    self.kv_cache = self.kv_scales = self.graphs = self.model = self.sampler = self.backend = None
     self.last_sample = ([], None)  # its tensors too
     self.step.reset()
     gc.collect()  # the model's modules refer to each other: free them now

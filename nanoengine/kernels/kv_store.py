@@ -34,9 +34,10 @@ if triton is not None:
 # %% ../../notebooks/07_kv_store.ipynb #kvs00001
 def check_kv_layout(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, *, quantized: bool = False,
 ) -> None:
-    """Raise ValueError unless the tensors have the layout the store expects."""
+    """Raise ValueError unless the tensors have the layout the store expects; `quantized`: the
+    caches hold float8 rows, each beside its scale (chapter 07a), so their dtype is the store's."""
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(
             f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
@@ -67,7 +68,7 @@ def check_kv_layout(
         )
     if not slot_mapping.is_contiguous():
         raise ValueError("slot_mapping must be contiguous (the kernel reads slot i at offset i)")
-    if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
+    if not quantized and (key.dtype != k_cache.dtype or value.dtype != v_cache.dtype):
         raise ValueError(
             f"key/value dtypes ({key.dtype}, {value.dtype}) do not match the cache dtypes "
             f"({k_cache.dtype}, {v_cache.dtype})"

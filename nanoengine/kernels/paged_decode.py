@@ -22,8 +22,9 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile(
-        q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, kv_head, t0, end, scale, stride_block,
-        stride_key, BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, kv_head, t0, end, scale,
+        stride_block, stride_key, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
+        BLOCK_N: tl.constexpr, FP8: tl.constexpr,
     ):
         """Keys t0 .. t0 + BLOCK_N - 1 (those before `end`): the online-softmax update."""
         block = tl.load(table_ptr + t0 // BLOCK_SIZE).to(tl.int64)  # tiles never cross blocks
@@ -32,13 +33,23 @@ if triton is not None:
         valid = pos < end
         k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GROUP_PAD, BLOCK_N]
+        if FP8:  # float8 rows, dequantized in registers: the dot in q's dtype, scales after it
+            scale_rows = rows // D  # a row's scale sits at (slot * HK + head), its row / D
+            k_scale = tl.load(ks_ptr + scale_rows, mask=valid, other=0.0)  # [BLOCK_N]
+            v_scale = tl.load(vs_ptr + scale_rows, mask=valid, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * (k_scale * scale)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old maximum
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        if FP8:  # sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t: the value scales go onto p
+            pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype))
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv.to(tl.float32)
         return m_new, l_i, acc
 
 # %% ../../notebooks/08a_paged_decode.ipynb #179b14c4
@@ -46,11 +57,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, order_ptr, o_ptr, part_ptr, stats_ptr, scale,
-        stride_qb, stride_qh, stride_block, stride_key, stride_tb, stride_ob, stride_oh,
-        PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, order_ptr, o_ptr, part_ptr,
+        stats_ptr, scale, stride_qb, stride_qh, stride_block, stride_key, stride_tb, stride_ob,
+        stride_oh, PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-        ORDERED: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr,
+        ORDERED: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
     ):
         kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # q and the block tables may be the previous kernel's output: wait for it
@@ -76,15 +87,15 @@ if triton is not None:
             t0 = start
             while t0 < end:
                 m_i, l_i, acc = _attend_tile(
-                    q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, t0, end, scale,
-                    stride_block, stride_key, BLOCK_SIZE, D, BLOCK_N,
+                    q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, t0, end,
+                    scale, stride_block, stride_key, BLOCK_SIZE, D, BLOCK_N, FP8,
                 )
                 t0 += BLOCK_N
         else:
             for t0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
-                    q, m_i, l_i, acc, k_ptr, v_ptr, table, kv_head, t0, end, scale,
-                    stride_block, stride_key, BLOCK_SIZE, D, BLOCK_N,
+                    q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, t0, end,
+                    scale, stride_block, stride_key, BLOCK_SIZE, D, BLOCK_N, FP8,
                 )
         if PDL:  # only now: a kernel launched earlier would take room from this one's programs
             tl.extra.cuda.gdc_launch_dependents()
@@ -163,13 +174,25 @@ def decode_partition(num_seqs: int, num_kv_heads: int, max_keys: int) -> int:
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its first context_lens keys in the paged cache.
 
     q [B, Hq, D], caches [num_blocks, block_size, Hk, D], block_tables [B, W] -> [B, Hq, D].
-    `order`, a permutation of the B rows, is the order in which an unsplit step starts them."""
+    `order`, a permutation of the B rows, is the order in which an unsplit step starts them.
+    `kv_scales`: float8 caches' per-row scales [num_blocks, block_size, Hk] (chapter 07a)."""
     if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_decode needs q's rows and both caches contiguous in memory")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 != (kv_scales is not None) or (fp8 and any(
+        s.shape != k_cache.shape[:3] or s.dtype != torch.float32 or not s.is_contiguous()
+        for s in kv_scales
+    )):
+        raise ValueError(
+            "float8 caches need kv_scales: two contiguous float32 tensors of shape "
+            f"{list(k_cache.shape[:3])}; other caches take none"
+        )
+    k_scale, v_scale = kv_scales if fp8 else (k_cache, v_cache)  # unread without FP8
     (num_seqs, num_heads, head_dim), num_kv_heads = q.shape, k_cache.shape[2]
     if num_seqs > 65_535:  # the most programs a CUDA grid's second axis can hold
         raise ValueError(f"paged_decode takes at most 65,535 sequences a call, got {num_seqs}")
@@ -195,12 +218,12 @@ def paged_decode(
     pdl, ordered = pdl_capable(q.device), order is not None and num_parts == 1
     # KV heads on the grid's fastest axis: a sequence's 8 programs start together (section 2)
     _decode_kernel[(num_kv_heads, num_seqs, num_parts)](
-        q, k_cache, v_cache, block_tables, context_lens, order if ordered else context_lens, out,
-        part, stats, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+        order if ordered else context_lens, out, part, stats, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), PARTITION=partition,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=head_dim, BLOCK_N=math.gcd(DECODE_BLOCK_N, block_size), SPLIT=num_parts > 1,
-        ORDERED=ordered, PDL=pdl, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        ORDERED=ordered, PDL=pdl, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", FP8=fp8,
         launch_pdl=pdl, num_warps=4,
         num_stages=2 if num_parts > 1 else 3,  # a whole sequence per program: a deeper pipeline
     )

@@ -4,14 +4,19 @@
 __all__ = ['qk_norm_rope_store', 'norm_rope_store']
 
 # %% ../../notebooks/11c_rope_store.ipynb #705f2638
+import os
+
 import torch
 
+from .kv_fp8 import check_kv_scales
 from .kv_store import check_kv_layout
 from .paged_decode import pdl_capable
 
 try:
     import triton
     import triton.language as tl
+
+    from nanoengine.kernels.kv_fp8 import _e4m3_scale, _to_e4m3
 except ImportError:
     triton = None
 
@@ -41,8 +46,9 @@ if triton is not None:
     @triton.jit
     def _qk_rope_store_kernel(
         qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cs_ptr, q_ptr, k_ptr, k_cache_ptr,
-        v_cache_ptr, eps, stride_qkv, stride_cs, HQ: tl.constexpr, HK: tl.constexpr,
-        HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
+        v_cache_ptr, ks_ptr, vs_ptr, eps, stride_qkv, stride_cs, HQ: tl.constexpr,
+        HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, D: tl.constexpr,
+        PDL: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         half = tl.arange(0, D // 2)
@@ -71,7 +77,21 @@ if triton is not None:
         k_rows = hk[:, None] * D + half[None, :]
         tl.store(k_ptr + token * HK * D + k_rows, k1, mask=(hk < HK)[:, None])
         tl.store(k_ptr + token * HK * D + k_rows + D // 2, k2, mask=(hk < HK)[:, None])
-        if slot >= 0:  # a padding row of a captured batch has no slot
+        if slot >= 0 and FP8:  # a float8 cache (07a): each head's row by its largest |x|
+            cache, heads = slot * HK * D, hk < HK
+            f1, f2, fv = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
+            k_scale = _e4m3_scale(tl.maximum(tl.max(tl.abs(f1), axis=1),
+                                             tl.max(tl.abs(f2), axis=1)))  # [HK_PAD]
+            v_scale = _e4m3_scale(tl.max(tl.abs(fv), axis=1))
+            tl.store(k_cache_ptr + cache + k_rows, _to_e4m3(f1, k_scale, INTERPRET),
+                     mask=heads[:, None])
+            tl.store(k_cache_ptr + cache + k_rows + D // 2, _to_e4m3(f2, k_scale, INTERPRET),
+                     mask=heads[:, None])
+            tl.store(v_cache_ptr + cache + hk[:, None] * D + d[None, :],
+                     _to_e4m3(fv, v_scale, INTERPRET), mask=heads[:, None])
+            tl.store(ks_ptr + slot * HK + hk, k_scale, mask=heads)
+            tl.store(vs_ptr + slot * HK + hk, v_scale, mask=heads)
+        elif slot >= 0:  # a padding row of a captured batch has no slot
             cache = slot * HK * D
             tl.store(k_cache_ptr + cache + k_rows, k1, mask=(hk < HK)[:, None])
             tl.store(k_cache_ptr + cache + k_rows + D // 2, k2, mask=(hk < HK)[:, None])
@@ -84,9 +104,11 @@ def qk_norm_rope_store(
     qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
     eps: float, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """QK-norm and RoPE of qkv [N, (Hq + 2 Hk) D] and the K/V store at slot_mapping, one kernel:
-    q [N, Hq, D], k [N, Hk, D], v [N, Hk, D] (a view of qkv)."""
+    q [N, Hq, D], k [N, Hk, D], v [N, Hk, D] (a view of qkv). With `kv_scales`, the caches are
+    float8 and the kernel quantizes as it stores (chapter 07a)."""
     if triton is None:
         raise RuntimeError("qk_norm_rope_store needs the triton package")
     head_dim, n = q_weight.shape[0], qkv.shape[0]
@@ -108,15 +130,21 @@ def qk_norm_rope_store(
     q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)  # [N, Hq, D]
     k = torch.empty(n, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)  # [N, Hk, D]
     v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(n, num_kv_heads, head_dim)
-    check_kv_layout(k, v, k_cache, v_cache, slot_mapping)
+    if kv_scales is None:
+        check_kv_layout(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        check_kv_scales(k, v, k_cache, v_cache, *kv_scales, slot_mapping)
     if n == 0:
         return q, k, v
     pdl = pdl_capable(qkv.device)
+    k_scale, v_scale = (k_cache, v_cache) if kv_scales is None else kv_scales  # unread if bf16
     _qk_rope_store_kernel[(n,)](
         qkv, positions, slot_mapping, q_weight, k_weight, cos_sin_cache, q, k, k_cache, v_cache,
-        eps, qkv.stride(0), cos_sin_cache.stride(0), HQ=num_heads, HK=num_kv_heads,
-        HQ_PAD=triton.next_power_of_2(num_heads), HK_PAD=triton.next_power_of_2(num_kv_heads),
-        D=head_dim, PDL=pdl, launch_pdl=pdl, num_warps=4,
+        k_scale, v_scale, eps, qkv.stride(0), cos_sin_cache.stride(0), HQ=num_heads,
+        HK=num_kv_heads, HQ_PAD=triton.next_power_of_2(num_heads),
+        HK_PAD=triton.next_power_of_2(num_kv_heads), D=head_dim, PDL=pdl,
+        FP8=kv_scales is not None, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        launch_pdl=pdl, num_warps=4,
     )
     return q, k, v
 
@@ -140,5 +168,5 @@ def norm_rope_store(
     return qk_norm_rope_store(
         qkv, positions, layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.eps,
         layer.rotary_emb.cos_sin_cache, attn.k_cache, attn.v_cache, slots, layer.num_heads,
-        layer.num_kv_heads,
+        layer.num_kv_heads, None if attn.k_scale is None else (attn.k_scale, attn.v_scale),
     )

