@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['KV_PROMPTS', 'text_nll', 'first_divergence', 'compare_caches']
 
-# %% ../notebooks/13a_fp8_results.ipynb #a164d1fb
+# %% ../notebooks/13a_fp8_results.ipynb #f13a0005
 import torch
 import torch.nn.functional as F
 

@@ -4,7 +4,7 @@
 __all__ = ['E4M3_MAX', 'KV_FP8_DTYPE', 'KV_SCALE_DTYPE', 'quantize_kv', 'dequantize_kv', 'check_kv_scales', 'store_kv_fp8_torch',
            'store_kv_fp8_triton', 'store_kv_fp8', 'read_kv_rows']
 
-# %% ../../notebooks/07a_fp8_kv.ipynb #d61d458b
+# %% ../../notebooks/07a_fp8_kv.ipynb #f7a0018
 import os
 
 import torch
@@ -37,7 +37,7 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (q.float() * scale[..., None]).to(dtype)
 
 
-# %% ../../notebooks/07a_fp8_kv.ipynb #a14db79d
+# %% ../../notebooks/07a_fp8_kv.ipynb #f7a0022
 def check_kv_scales(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor,
@@ -75,7 +75,7 @@ def store_kv_fp8_torch(
         scales.view(-1, scales.shape[2])[slots] = s
 
 
-# %% ../../notebooks/07a_fp8_kv.ipynb #94ac613b
+# %% ../../notebooks/07a_fp8_kv.ipynb #f7a0024
 if triton is not None:
 
     @triton.jit
@@ -122,7 +122,7 @@ if triton is not None:
         tl.store(v_scale_ptr + slot * H + h, v_scale, mask=h < H)
 
 
-# %% ../../notebooks/07a_fp8_kv.ipynb #c6d1e27f
+# %% ../../notebooks/07a_fp8_kv.ipynb #f7a0026
 def store_kv_fp8_triton(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor,
