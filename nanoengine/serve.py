@@ -776,7 +776,8 @@ def add_token_routes(app: FastAPI, served: ServedModel) -> None:
 SHUTDOWN_GRACE_S = 3  # once the engine loop stopped, requests get this long to end, then cancelled
 ENGINE_FLAGS = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
                 "kvcache_block_size": int, "num_kvcache_blocks": int, "tensor_parallel_size": int,
-                "gpu_memory_utilization": float, "device": str, "dtype": str}
+                "gpu_memory_utilization": float, "device": str, "dtype": str,
+                "kv_cache_dtype": str}
 LEAST = {"max_body_bytes": 1, "header_timeout": 1e-3, "body_timeout": 1e-3, "shutdown_timeout": 0}
 
 
