@@ -195,7 +195,7 @@ def allocate_kv_cache(self: ModelRunner) -> int:
     self.kv_cache = torch.zeros(
         *shape, head_dim, dtype=self.config.kv_dtype, device=self.device
     )  # [K/V, layer, block, slot, head, dim]
-    self.kv_scales = None  # a float8 cache: a float32 scale per row, [K/V, layer, block, slot, head]
+    self.kv_scales = None  # float8: a float32 scale per row, [K/V, layer, block, slot, head]
     if self.config.kv_dtype == torch.float8_e4m3fn:
         self.kv_scales = torch.ones(shape, dtype=torch.float32, device=self.device)
     for i, layer in enumerate(self.attention_layers):

@@ -27,7 +27,8 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     their float32 scales [...]."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)  # [...]
-    scale = torch.where(amax > 0, amax / E4M3_MAX, 1.0)  # an all-zero row keeps scale 1
+    scale = amax / E4M3_MAX
+    scale = torch.where(scale > 0, scale, 1.0)  # an all-zero (or vanishing) row: scale 1
     q = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(KV_FP8_DTYPE)  # [..., D]
     return q, scale
 
@@ -81,7 +82,8 @@ if triton is not None:
     @triton.jit
     def _e4m3_scale(amax):
         """The scale that maps a row's largest |value| onto E4M3_MAX (1 for an all-zero row)."""
-        return tl.where(amax > 0, amax / 448.0, 1.0)
+        scale = amax / 448.0
+        return tl.where(scale > 0, scale, 1.0)  # 0 also when amax is below 448 x 2**-149
 
     @triton.jit
     def _round_e4m3(y):

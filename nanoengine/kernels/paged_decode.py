@@ -219,7 +219,8 @@ def paged_decode(
     # KV heads on the grid's fastest axis: a sequence's 8 programs start together (section 2)
     _decode_kernel[(num_kv_heads, num_seqs, num_parts)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-        order if ordered else context_lens, out, part, stats, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        order if ordered else context_lens, out, part, stats, scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), PARTITION=partition,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=head_dim, BLOCK_N=math.gcd(DECODE_BLOCK_N, block_size), SPLIT=num_parts > 1,
