@@ -282,7 +282,7 @@ def test_the_engine_hands_every_setting_to_config_by_name(ckpt):
     assert settings <= set(engine_arguments(LLMEngine)) and settings <= set(engine_arguments(LLM))
     chosen = dict(max_num_batched_tokens=96, max_num_seqs=7, max_model_len=200, gpu_memory_utilization=0.5,
                   num_kvcache_blocks=20, kvcache_block_size=32, tensor_parallel_size=1, enforce_eager=True,
-                  enable_prefix_caching=False, attention_backend="torch",
+                  enable_prefix_caching=False, attention_backend="torch", kv_cache_dtype="fp8",
                   optimizations=Optimizations(plan_prompt_steps=False, batch_text_decode=False))
     assert set(chosen) | {"device", "dtype"} == settings, "every setting is tried"
     with LLMEngine(ckpt, device="cpu", dtype="bfloat16", **chosen) as engine:
