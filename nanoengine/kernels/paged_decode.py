@@ -33,11 +33,11 @@ if triton is not None:
         valid = pos < end
         k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if FP8:  # float8 rows, dequantized in registers: the dot in q's dtype, scales after it
+        if FP8:  # float8 rows: float16 holds every e4m3 value, the scales come after the dot
             scale_rows = rows // D  # a row's scale sits at (slot * HK + head), its row / D
             k_scale = tl.load(ks_ptr + scale_rows, mask=valid, other=0.0)  # [BLOCK_N]
             v_scale = tl.load(vs_ptr + scale_rows, mask=valid, other=0.0)
-            s = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * (k_scale * scale)[None, :]
+            s = tl.dot(q, tl.trans(k.to(tl.float16))) * (k_scale * scale)[None, :]
         else:
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -45,8 +45,10 @@ if triton is not None:
         alpha = tl.exp(m_i - m_new)  # rescales what was summed under the old maximum
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP8:  # sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t: the value scales go onto p
-            pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype))
+        if FP8:  # sum_t p_t s_t v_t = s_max sum_t (p_t s_t / s_max) v_t: weights stay in [0, 1]
+            v_max = tl.max(v_scale, axis=0)  # > 0: a tile holds at least one key
+            w = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+            pv = tl.dot(w, v.to(tl.float16)) * v_max
         else:
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv.to(tl.float32)
@@ -79,6 +81,11 @@ if triton is not None:
             q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
             mask=(g < GROUP)[:, None], other=0.0,
         )  # [GROUP_PAD, D]
+        if FP8:  # q in float16 for the float8 dots, over a power of two: exact, no overflow
+            q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+            q_unit = tl.exp2(tl.ceil(tl.log2(tl.where(q_max > 0, q_max, 1.0))))
+            q = (q.to(tl.float32) / q_unit).to(tl.float16)
+            scale = scale * q_unit
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)  # running max score
         l_i = tl.zeros((GROUP_PAD,), tl.float32)  # running sum of exp(score - m_i)
         acc = tl.zeros((GROUP_PAD, D), tl.float32)  # running sum of exp(score - m_i) * v
