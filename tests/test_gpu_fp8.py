@@ -30,6 +30,7 @@ def fp8_pool(num_blocks: int, block_size: int, heads: int, dim: int, seed: int =
 
 @pytest.mark.parametrize("lens, block_size", [([5, 37, 0, 300], 16), ([3000, 17], 256), ([60] * 300, 16)])
 def test_triton_decode_over_a_float8_pool_equals_pytorch(lens, block_size):
+    from nanoengine.kernels.kv_fp8 import dequantize_kv
     from nanoengine.kernels.paged_decode import paged_decode
     from nanoengine.layers.paged_attention import torch_decode
     from nanoengine.utils.context import Context
@@ -43,7 +44,7 @@ def test_triton_decode_over_a_float8_pool_equals_pytorch(lens, block_size):
     order = torch.argsort(ctx_lens, descending=True)
     # The kernel's float16 softmax weights move the output by at most 2**-11 of the largest value,
     # and its bfloat16 output rounds by 2**-9 of itself (the reference's output is bfloat16 too).
-    v_largest = float((vq.float() * vs[..., None]).abs().max())
+    v_largest = float(dequantize_kv(vq, vs, torch.float32).abs().max())
     for o in (None, order):
         got = paged_decode(q, kq, vq, tables, ctx_lens, 128**-0.5, o, kv_scales=(ks, vs)).float()
         torch.testing.assert_close(got, want, atol=2**-10 * v_largest, rtol=2**-8)
