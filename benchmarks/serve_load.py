@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab-size", type=int, default=10_000, help="prompt token ids are drawn below this")
     p.add_argument("--server-args", default="--max-model-len 4096",
                    help="extra flags for python -m nanoengine.serve")
+    p.add_argument("--client-workers", type=int, default=1, metavar="N",
+                   help="client processes that share the arrivals (each point records how busy the busiest "
+                        "was: past nanoengine.serving.load.CLIENT_BUSY_LIMIT it times itself, section 15.3 §4)")
     p.add_argument("--engine-in-thread", action="store_true",
                    help="run the server's engine loop on a thread of the server's process (EngineLoop, "
                         "section 15's first design) instead of in a process of its own (EngineProcess)")
@@ -70,6 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     rates = [float(r) for r in args.rates.split(",")]
     if not all(r > 0 for r in rates):
         p.error(f"--rates must be positive numbers, got {args.rates}")
+    if args.client_workers < 1:
+        p.error(f"--client-workers must be at least 1, got {args.client_workers}")
     model = Path(args.model) if args.model else ensure_checkpoint(args.preset)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
         for i, rate in enumerate(rates):
             n = int(min(args.max_requests, max(args.min_requests, rate * args.seconds)))
             point = asyncio.run(run_rate(url, "bench", rate, n, args.prompt_len, args.max_tokens,
-                                         args.vocab_size, seed=i))
+                                         args.vocab_size, seed=i, num_workers=args.client_workers))
             points.append(point)
             print(report(point), flush=True)  # failed requests counted, the sweep goes on
             if point["ttft_p50"] is not None and point["ttft_p50"] > args.stop_after_ttft:
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
               if not args.model else Path(args.model).name, "server_command": cmd[1:],
               "workload": {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                            "arrivals": "Poisson (open loop)", "seconds_per_rate": args.seconds,
-                           "client": "httpx on the same machine, streamed, ignore_eos"},
+                           "client": "httpx on the same machine, streamed, ignore_eos",
+                           "client_processes": args.client_workers},
               "engine": "a thread of the server's process" if args.engine_in_thread
               else "a process of its own",
               "points": points, "saturation_rate": saturation_rate(points), "final_stats": stats}

@@ -299,7 +299,8 @@ def run_serve(rates: list[float], seconds: float, tolerance: float, timeout: flo
     for p in sweep["points"]:
         ref = committed.get(float(p["rate"]), {})
         points.append({k: p.get(k) for k in ("rate", "num_requests", "num_failed", "failures", "achieved_rate",
-                                             "output_tokens_per_s", "ttft_p50", "ttft_p90", "itl_p50", "itl_p90")}
+                                             "output_tokens_per_s", "ttft_p50", "ttft_p90", "itl_p50", "itl_p90",
+                                             "client_busy")}
                       | {f"committed_{key}": ref.get(key) for key, _ in SERVE_METRICS})
     problems = compare_serve(sweep["points"], reference, rates, tolerance)
     return section | {"ok": not problems, "seconds": round(time.perf_counter() - t0, 1), "points": points,
