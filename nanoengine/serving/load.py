@@ -183,7 +183,7 @@ async def sweep(url: str, model: str, rates: list[float], num_requests: list[int
 # %% ../../notebooks/15c_serve_load.ipynb #4e1d9a10
 def paced_app(ttft: float, itl: float):
     """A server with no engine: every /v1/completions stream gives its first token after `ttft`
-    seconds and one more every `itl` seconds. What a client measures beyond that is its own doing."""
+    seconds and one more every `itl` seconds. What a client times beyond that is its own doing."""
     from starlette.applications import Starlette
     from starlette.responses import StreamingResponse
     from starlette.routing import Route
