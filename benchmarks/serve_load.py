@@ -2,7 +2,8 @@
 
 Starts `python -m nanoengine.serve` on the benchmark model (random-weight Qwen3-0.6B unless --model is given),
 sweeps offered request rates with open-loop Poisson arrivals (nanoengine.serving.load), and writes JSON with its
-provenance:
+provenance. Each point also keeps `server_first_token`: the server's own mean TTFT per first token over the rate,
+split into the engine's queue time, its prefill time and the rest (read from /metrics before and after):
 
     python3 benchmarks/serve_load.py benchmarks/serve_h200.json
 
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -44,6 +46,30 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
             pass
         time.sleep(0.5)
     raise SystemExit("the server did not become healthy")
+
+
+FIRST_TOKEN_METRICS = ("time_to_first_token", "request_queue_time", "request_prefill_time")
+
+
+def first_token_sums(url: str) -> dict[str, tuple[float, float]]:
+    """The server's (sum, count) of its TTFT, queue-time and prefill-time histograms (/metrics)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return {name: (values.get(f"nanoengine:{name}_seconds_sum", 0.0),
+                   values.get(f"nanoengine:{name}_seconds_count", 0.0)) for name in FIRST_TOKEN_METRICS}
+
+
+def server_means(before: dict, after: dict) -> dict[str, float | None]:
+    """Mean seconds per first token between two `first_token_sums`: the server's TTFT (from the request's
+    submission to the engine), the engine's queue and prefill, and the rest: the way in (waiting for the engine
+    loop to read its inbox, up to one step) and out (the pipe, the reader thread, the event loop)."""
+    means = {}
+    for name in FIRST_TOKEN_METRICS:
+        total, num = (a - b for a, b in zip(after[name], before[name]))
+        means[f"{name}_mean"] = total / num if num else None
+    parts = [means[f"{name}_mean"] for name in FIRST_TOKEN_METRICS]
+    means["rest_mean"] = None if None in parts else parts[0] - parts[1] - parts[2]
+    return means
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -94,10 +120,18 @@ def main(argv: list[str] | None = None) -> dict:
         points = []
         for i, rate in enumerate(rates):
             n = int(min(args.max_requests, max(args.min_requests, rate * args.seconds)))
+            before = first_token_sums(url)
             point = asyncio.run(run_rate(url, "bench", rate, n, args.prompt_len, args.max_tokens,
                                          args.vocab_size, seed=i, num_workers=args.client_workers))
+            point["server_first_token"] = server_means(before, first_token_sums(url))
             points.append(point)
             print(report(point), flush=True)  # failed requests counted, the sweep goes on
+            first = point["server_first_token"]
+            if first["rest_mean"] is not None:
+                print(f"    server side, mean per first token: TTFT {first['time_to_first_token_mean'] * 1e3:.1f} ms = "
+                      f"queue {first['request_queue_time_mean'] * 1e3:.1f} + prefill "
+                      f"{first['request_prefill_time_mean'] * 1e3:.1f} + in/out {first['rest_mean'] * 1e3:.1f}",
+                      flush=True)
             if point["ttft_p50"] is not None and point["ttft_p50"] > args.stop_after_ttft:
                 break  # deep past saturation: the next rates only queue longer
         stats = httpx.get(url + "/stats", timeout=30).json()

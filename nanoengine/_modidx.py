@@ -911,6 +911,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'nanoengine.serve.Metrics.__init__': ('server.html#metrics.__init__', 'nanoengine/serve.py'),
                                   'nanoengine.serve.Metrics.exposition': ('server.html#metrics.exposition', 'nanoengine/serve.py'),
                                   'nanoengine.serve.Metrics.observe_end': ('server.html#metrics.observe_end', 'nanoengine/serve.py'),
+                                  'nanoengine.serve.Metrics.observe_first': ('server.html#metrics.observe_first', 'nanoengine/serve.py'),
                                   'nanoengine.serve.Metrics.observe_tokens': ('server.html#metrics.observe_tokens', 'nanoengine/serve.py'),
                                   'nanoengine.serve.Metrics.read_engine': ('server.html#metrics.read_engine', 'nanoengine/serve.py'),
                                   'nanoengine.serve.ServedModel': ('server.html#servedmodel', 'nanoengine/serve.py'),

@@ -154,7 +154,7 @@ async def deltas(self: Call):
                 break
             logprobs = None if event.logprobs is None else event.logprobs + later.logprobs
             event = Delta(event.index, event.text + later.text, later.num_tokens,
-                          later.finish_reason, logprobs)
+                          later.finish_reason, logprobs, event.timing or later.timing)
         if isinstance(event, Failed):
             self.outcome = "failed"
             raise ApiError(event.message, None, status=503, type="server_error")
@@ -172,6 +172,8 @@ def _count(self: Call, delta: Delta) -> None:
         last = self.token_times[i]
         self.metrics.observe_tokens(now - self.submitted if first else None,
                                     None if last is None else (now - last) / num_new, num_new)
+    if delta.timing is not None and self.metrics is not None:
+        self.metrics.observe_first(*delta.timing)
     if num_new > 0:
         self.token_times[i] = now
     self.num_tokens[i] = delta.num_tokens
@@ -516,6 +518,12 @@ class Metrics:
                              "a sequence", buckets=ITL_BUCKETS, **into)
         self.e2e = Histogram("nanoengine:e2e_request_latency_seconds", "From submission to the "
                              "last token, finished requests", buckets=TTFT_BUCKETS, **into)
+        self.queue_time = Histogram("nanoengine:request_queue_time_seconds", "From the "
+                                    "engine's admission to the step that takes the request in",
+                                    buckets=TTFT_BUCKETS, **into)
+        self.prefill_time = Histogram("nanoengine:request_prefill_time_seconds", "From the "
+                                      "start of that step to the first token",
+                                      buckets=TTFT_BUCKETS, **into)
         self.running = Gauge("nanoengine:num_requests_running", "Sequences in the batch", **into)
         self.waiting = Gauge("nanoengine:num_requests_waiting", "Sequences queued", **into)
         self.kv_usage = Gauge("nanoengine:kv_cache_usage_perc", "Fraction of KV blocks in use",
@@ -530,6 +538,13 @@ def observe_tokens(self: Metrics, ttft: float | None, itl: float | None, num_tok
         self.ttft.observe(ttft)
     for _ in range(num_tokens if itl is not None else 0):
         self.itl.observe(itl)
+
+
+@patch
+def observe_first(self: Metrics, queued: float, prefill: float) -> None:
+    """A request's first token, as the engine timed it: seconds queued, then prefilling."""
+    self.queue_time.observe(queued)
+    self.prefill_time.observe(prefill)
 
 
 @patch

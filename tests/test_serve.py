@@ -505,6 +505,8 @@ def test_metrics_count_outcomes_latencies_and_the_engine(client, url):
                ("finished", "rejected", "failed", "cancelled")}
     before = {o: metric(url, *key) for o, key in outcome.items()}
     ttft_before = metric(url, "nanoengine:time_to_first_token_seconds_count")
+    sums_before = {name: metric(url, f"nanoengine:{name}_seconds_sum")
+                   for name in ("time_to_first_token", "request_queue_time", "request_prefill_time")}
     itl_before = metric(url, "nanoengine:inter_token_latency_seconds_count")
     tokens_before = metric(url, "nanoengine:generation_tokens_total")
     whole = client.completions.create(model=MODEL, prompt="count me", max_tokens=20, temperature=0,
@@ -524,6 +526,11 @@ def test_metrics_count_outcomes_latencies_and_the_engine(client, url):
     assert metric(url, *outcome["rejected"]) == before["rejected"] + 1
     assert metric(url, *outcome["failed"]) == before["failed"]
     assert metric(url, "nanoengine:time_to_first_token_seconds_count") == ttft_before + 3
+    for name in ("request_queue_time", "request_prefill_time"):  # the engine timed each first token
+        assert metric(url, f"nanoengine:{name}_seconds_count") == ttft_before + 3
+    spent = {name: metric(url, f"nanoengine:{name}_seconds_sum") - before
+             for name, before in sums_before.items()}
+    assert 0 < spent["request_queue_time"] + spent["request_prefill_time"] < spent["time_to_first_token"]
     generated = metric(url, "nanoengine:generation_tokens_total") - tokens_before
     assert generated >= 40 + 1 and whole.usage.completion_tokens == 20
     gaps = metric(url, "nanoengine:inter_token_latency_seconds_count") - itl_before

@@ -13,6 +13,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -70,6 +71,8 @@ class Delta:
     num_tokens: int  # completion tokens so far
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asks
+    timing: tuple[float, float] | None = None  # with a request's first token: seconds queued, then
+    # from the step that took it in to that token (the server's metrics, section 15.2)
 
 
 @dataclass(slots=True)
@@ -82,6 +85,9 @@ class LiveRequest:
     num_sent: list[int] = field(init=False)  # characters of each text already emitted
     done: list[bool] = field(init=False)
     floors: list[int | None] = field(init=False)  # where a stop string may end (min_tokens)
+    admitted: float = field(init=False)  # time.perf_counter() when the engine queued it
+    scheduled: float | None = field(init=False)  # when the step that first took it in began
+    timed: bool = field(init=False)  # its first token's Delta has gone (with the timing)
 
     def __post_init__(self) -> None:
         self.texts = [IncrementalText(self.tokenizer) for _ in self.seqs]
@@ -89,6 +95,7 @@ class LiveRequest:
         self.done = [False] * len(self.seqs)
         self.floors = [None if seq.sampling_params.min_tokens > 1 and seq.sampling_params.stop
                        else 0 for seq in self.seqs]  # None: not known yet
+        self.admitted, self.scheduled, self.timed = time.perf_counter(), None, False
 
 # %% ../../notebooks/15_serve.ipynb #d032fc9f
 def tokenize_prompts(tokenizer, submission: Submission) -> list:
@@ -142,9 +149,13 @@ def admit(engine: LLMEngine, submission: Submission) -> list[Sequence]:
     return seqs
 
 
-def publish(engine: LLMEngine, request: LiveRequest) -> bool:
+def publish(engine: LLMEngine, request: LiveRequest, step_began: float | None = None) -> bool:
     """Emit each sequence's new text, short of a possible stop string, with its new tokens'
-    log-probabilities if asked; True once all are done."""
+    log-probabilities if asked; True once all are done. `step_began`: when the step just run
+    began, the time a request that it took in started being worked on."""
+    if request.scheduled is None and any(seq.num_cached_tokens or seq.num_scheduled_tokens
+                                         or seq.num_completion_tokens for seq in request.seqs):
+        request.scheduled = step_began or time.perf_counter()
     for i, (seq, text) in enumerate(zip(request.seqs, request.texts)):
         if request.done[i]:
             continue
@@ -163,7 +174,12 @@ def publish(engine: LLMEngine, request: LiveRequest) -> bool:
         request.num_sent[i] = max(request.num_sent[i], len(ready))
         reason = seq.finish_reason if seq.is_finished else None
         logprobs = None if seq.logprobs is None else seq.logprobs[num_published:num_tokens]
-        request.emit(Delta(i, new, num_tokens, reason, logprobs))  # text may be empty
+        timing = None
+        if num_tokens and not request.timed:  # the request's first token
+            request.timed = True
+            timing = (request.scheduled - request.admitted,
+                      time.perf_counter() - request.scheduled)
+        request.emit(Delta(i, new, num_tokens, reason, logprobs, timing))  # text may be empty
         request.done[i] = seq.is_finished
     return all(request.done)
 
@@ -289,9 +305,12 @@ def _main(self: EngineLoop, make_engine: Callable[[], LLMEngine]) -> None:
     live: dict[int, LiveRequest] = {}
     try:
         while self._take_commands(engine, live, wait=engine.is_finished()):
+            began = None
             if not engine.is_finished():
+                began = time.perf_counter()
                 engine.step()
-            for request_id in [r for r, request in live.items() if publish(engine, request)]:
+            for request_id in [r for r, request in live.items()
+                               if publish(engine, request, began)]:
                 del live[request_id]
     except BaseException as e:
         self.error = e
@@ -364,15 +383,15 @@ def pack(request_id: int, event: object) -> tuple:
         logprobs = (None if event.logprobs is None
                     else [(t.token_id, t.logprob, t.top) for t in event.logprobs])
         return (request_id, event.index, event.text, event.num_tokens, event.finish_reason,
-                logprobs)
+                logprobs, event.timing)
     return (request_id, event)
 
 
 def unpack(item: tuple) -> tuple[int, object]:
     """(request id, event) of a packed event."""
-    if len(item) == 6:
+    if len(item) == 7:
         logprobs = None if item[5] is None else [TokenLogprobs(*t) for t in item[5]]
-        return item[0], Delta(*item[1:5], logprobs)
+        return item[0], Delta(*item[1:5], logprobs, item[6])
     return item[0], item[1]
 
 
@@ -400,9 +419,12 @@ def engine_process_main(conn: Connection, make_engine: Callable[[], LLMEngine]) 
     broken = False
     try:
         while take_messages(conn, engine, live, outbox, wait=engine.is_finished()):
+            began = None
             if not engine.is_finished():
+                began = time.perf_counter()
                 engine.step()
-            for request_id in [r for r, request in live.items() if publish(engine, request)]:
+            for request_id in [r for r, request in live.items()
+                               if publish(engine, request, began)]:
                 del live[request_id]
                 outbox.append((request_id,))  # the request is over: the server forgets it
             if outbox:
