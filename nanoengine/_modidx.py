@@ -1070,6 +1070,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                            'nanoengine/serving/engine_loop.py')},
             'nanoengine.serving.load': { 'nanoengine.serving.load.client_worker': ( 'serve_load.html#client_worker',
                                                                                     'nanoengine/serving/load.py'),
+                                         'nanoengine.serving.load.next_message': ( 'serve_load.html#next_message',
+                                                                                   'nanoengine/serving/load.py'),
                                          'nanoengine.serving.load.offer': ('serve_load.html#offer', 'nanoengine/serving/load.py'),
                                          'nanoengine.serving.load.offer_from_processes': ( 'serve_load.html#offer_from_processes',
                                                                                            'nanoengine/serving/load.py'),

@@ -240,6 +240,15 @@ def compare_serve(points: list[dict], reference: dict, rates: list[float], toler
     return problems
 
 
+def client_warnings(points: list[dict]) -> list[str]:
+    """One line per rate whose busiest client process was past CLIENT_BUSY_LIMIT (section 15.3 §4): there, the
+    sweep's latencies are partly the client's own, and a pass or a failure says less about the server."""
+    from nanoengine.serving.load import CLIENT_BUSY_LIMIT
+    return [f"rate {p['rate']:g}/s: the busiest client process was {p['client_busy']:.0%} busy, past "
+            f"CLIENT_BUSY_LIMIT ({CLIENT_BUSY_LIMIT:.0%}): its latencies are partly the client's own"
+            for p in points if (p.get("client_busy") or 0.0) > CLIENT_BUSY_LIMIT]
+
+
 def serve_sweep(rates: list[float], seconds: float, out: Path, timeout: float, extra: list[str] = (),
                 log_path: Path | None = None) -> dict:
     """benchmarks/serve_load.py at `rates` for `seconds` of arrivals each, serve_h200.json's workload (prompt and
@@ -304,7 +313,7 @@ def run_serve(rates: list[float], seconds: float, tolerance: float, timeout: flo
                       | {f"committed_{key}": ref.get(key) for key, _ in SERVE_METRICS})
     problems = compare_serve(sweep["points"], reference, rates, tolerance)
     return section | {"ok": not problems, "seconds": round(time.perf_counter() - t0, 1), "points": points,
-                      "problems": problems}
+                      "problems": problems, "client_warnings": client_warnings(sweep["points"])}
 
 
 def merge(paths: list[Path], out: Path, match_commit: str | None = None) -> dict:

@@ -133,6 +133,13 @@ def test_the_merged_summary_holds_the_serve_section_and_its_ok_counts(tmp_path):
     assert summary["ok"]  # the later run counts
 
 
+def test_a_busy_client_is_named_with_its_rate():
+    points = [point(16.0, 0.03, 0.002) | {"client_busy": 0.3}, point(64.0, 0.07, 0.004) | {"client_busy": 0.91},
+              point(128.0, 0.2, 0.008)]  # a point from before client_busy was kept: no warning
+    [warning] = gpu_check.client_warnings(points)
+    assert warning.startswith("rate 64/s: the busiest client process was 91% busy")
+
+
 def test_the_serve_sweep_runs_serve_load_on_the_cpu(tmp_path):
     """serve_sweep drives benchmarks/serve_load.py end to end: the tiny preset on the CPU, short prompts."""
     pytest.importorskip("fastapi")
@@ -145,6 +152,7 @@ def test_the_serve_sweep_runs_serve_load_on_the_cpu(tmp_path):
         "--server-args=--device cpu --max-model-len 256"])
     [p] = sweep["points"]
     assert p["rate"] == 4.0 and p["num_failed"] == 0 and p["itl_p50"] > 0 and p["ttft_p50"] > 0
+    assert 0 < p["client_busy"] < 1 and p["server_first_token"]["request_prefill_time_mean"] > 0
     assert (tmp_path / "sweep.log").read_text().startswith("$ ") and (tmp_path / "sweep.server.log").exists()
 
 

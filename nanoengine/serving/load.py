@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['CLIENT_BUSY_LIMIT', 'timed_request', 'percentile', 'saturation_rate', 'report', 'offer', 'client_worker',
-           'offer_from_processes', 'run_rate', 'sweep', 'paced_app', 'run_paced_server']
+           'next_message', 'offer_from_processes', 'run_rate', 'sweep', 'paced_app', 'run_paced_server']
 
 # %% ../../notebooks/15c_serve_load.ipynb #3b75451e
 import asyncio
@@ -14,6 +14,7 @@ import statistics
 import time
 from collections import Counter
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 import httpx
 
@@ -113,6 +114,15 @@ def client_worker(conn: Connection, url: str, model: str, offsets: list[float],
     conn.send(asyncio.run(offer(url, model, offsets, prompts, max_tokens, start)))
 
 
+def next_message(pipe: Connection, proc: BaseProcess, when: str):
+    """What a client process sends next; RuntimeError if it exited first (a client bug)."""
+    try:
+        return pipe.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"a client process exited {when} (code {proc.exitcode})") from None
+
+
 async def offer_from_processes(url: str, model: str, offsets: list[float],
                                prompts: list[list[int]], max_tokens: int,
                                num_workers: int) -> tuple[float, list[tuple]]:
@@ -129,12 +139,13 @@ async def offer_from_processes(url: str, model: str, offsets: list[float],
             proc.start()
             procs.append(proc)
             child.close()
-        for pipe in pipes:
-            await loop.run_in_executor(None, pipe.recv)  # "ready": imported and connected
+        for pipe, proc in zip(pipes, procs):  # "ready": it has imported everything
+            await loop.run_in_executor(None, next_message, pipe, proc, "before it was ready")
         start = time.time() + 0.05
         for pipe in pipes:
             pipe.send(start)
-        return start, [await loop.run_in_executor(None, pipe.recv) for pipe in pipes]
+        return start, [await loop.run_in_executor(None, next_message, pipe, proc, "with no results")
+                       for pipe, proc in zip(pipes, procs)]
     finally:
         for proc in procs:
             proc.join(5)
