@@ -113,6 +113,20 @@ def test_shm_tp2_equals_tp1_with_chunking_prefix_hits_preemption_and_block_size_
     assert_nothing_left(before)
 
 
+def test_fp8_cache_tp2_equals_fp8_tp1_with_chunking_prefix_hits_and_preemption(ckpt):
+    """An FP8 cache keeps one scale per token and KV head, and each rank holds whole KV heads: two ranks quantize
+    exactly what one rank would, so tp=2 gives tp=1's tokens (cold, and warm from the float8 prefix cache)."""
+    before = our_shm()
+    with LLM(ckpt, kv_cache_dtype="fp8", **ENGINE) as llm:
+        one = run_acceptance(llm)
+    with LLM(ckpt, tensor_parallel_size=2, kv_cache_dtype="fp8", **ENGINE) as llm:
+        runner = llm.model_runner
+        assert runner.kv_cache.dtype == torch.float8_e4m3fn and runner.kv_scales is not None
+        assert runner.num_kvcache_blocks == 24
+        assert run_acceptance(llm) == one
+    assert_nothing_left(before)
+
+
 def test_pipe_tp2_equals_tp1_and_a_forgotten_engine_is_cleaned_up_by_its_finalizer(ckpt, reference):
     before = our_shm()
     llm = LLM(ckpt, tensor_parallel_size=2, control_plane="pipe", **ENGINE)
