@@ -29,6 +29,15 @@ from nanoengine.serving.load import report, run_rate  # noqa: E402
 from nanoengine.utils.dist import free_port  # noqa: E402
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), which platform.processor() leaves empty on Linux."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def start_paced_server(port: int, ttft: float, itl: float) -> subprocess.Popen:
     code = f"from nanoengine.serving.load import run_paced_server; run_paced_server({port}, {ttft}, {itl})"
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -74,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         server.wait(30)
     result = {"what": "run_rate (nanoengine.serving.load) against run_paced_server: a server with no engine that "
                       "paces every stream exactly; what the client measures beyond the pace is its own (or the "
-                      "shared cores')", "provenance": {**provenance(), "cpu_count": os.cpu_count()},
+                      "shared cores')", "provenance": {**provenance(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count()},
               "pace": {"ttft": args.ttft, "itl": args.itl},
               "workload": {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                            "arrivals": "Poisson (open loop)", "seconds_per_rate": args.seconds},

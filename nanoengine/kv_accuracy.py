@@ -69,8 +69,8 @@ KV_PROMPTS = [
 def compare_caches(
     model: str, text: str, prompts: list[str] = KV_PROMPTS, num_tokens: int = 256, **settings
 ) -> dict:
-    """The engine with kv_cache_dtype="auto" and "fp8" on one model: the greedy completions'
-    shared leading tokens, the text's NLL under each cache, and each pool's size in tokens."""
+    """The engine with kv_cache_dtype="auto" and "fp8" on one model: the greedy completions and
+    their shared leading tokens, the text's NLL under each cache, each pool's size in tokens."""
     runs = {}
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     for kv_cache_dtype in ("auto", "fp8"):
@@ -95,5 +95,6 @@ def compare_caches(
         "dtype": auto["dtype"], "kv_dtype": {"auto": auto["kv_dtype"], "fp8": fp8["kv_dtype"]},
         "num_kvcache_tokens": {"auto": auto["num_kvcache_tokens"],
                                "fp8": fp8["num_kvcache_tokens"]},
+        "token_ids": {"auto": auto["token_ids"], "fp8": fp8["token_ids"]},
     }
 
