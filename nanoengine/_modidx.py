@@ -935,6 +935,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                        'nanoengine/serve.py'),
                                   'nanoengine.serve.TimedH11Protocol.on_response_complete': ( 'server.html#timedh11protocol.on_response_complete',
                                                                                               'nanoengine/serve.py'),
+                                  'nanoengine.serve.TimedH11Protocol.send_400_response': ( 'server.html#timedh11protocol.send_400_response',
+                                                                                           'nanoengine/serve.py'),
                                   'nanoengine.serve.TokenStrings': ('server.html#tokenstrings', 'nanoengine/serve.py'),
                                   'nanoengine.serve.TokenStrings.__call__': ('server.html#tokenstrings.__call__', 'nanoengine/serve.py'),
                                   'nanoengine.serve.TokenStrings.__init__': ('server.html#tokenstrings.__init__', 'nanoengine/serve.py'),

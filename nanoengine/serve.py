@@ -311,7 +311,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 def parse_json(raw: bytes):
     """The body as JSON; 400 for invalid JSON or UTF-8, nesting too deep, or a lone surrogate."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw.decode("utf-8"))  # strict: an encoded surrogate is no UTF-8 either
         if _SURROGATE_ESCAPE.search(raw):  # only then can a string hold a lone surrogate
             json.dumps(body, ensure_ascii=False).encode()
     except RecursionError:
@@ -319,6 +319,8 @@ def parse_json(raw: bytes):
     except UnicodeEncodeError:
         raise ApiError("the request body holds a lone UTF-16 surrogate (\\ud800 to \\udfff), "
                        "which is not text") from None
+    except UnicodeDecodeError:
+        raise ApiError("the request body is not valid UTF-8") from None
     except ValueError:
         raise ApiError("the request body is not valid JSON") from None
     return body
@@ -422,6 +424,16 @@ class TimedH11Protocol(H11Protocol):
         self._arm(None)
         super().connection_lost(exc)
 
+    def send_400_response(self, msg: str) -> None:
+        """A request that is not HTTP/1.1 at all: OpenAI's error JSON (not uvicorn's plain
+        text), then the connection closes."""
+        error = ApiError(f"malformed HTTP request: {msg}", code="invalid_http_request")
+        body = json.dumps(error.body()).encode()
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                             % (len(body), body))
+        self.transport.close()
+
 # %% ../notebooks/15b_server.ipynb #86745825
 @patch
 def _watch(self: TimedH11Protocol, data_came: bool) -> None:
@@ -460,8 +472,11 @@ def _expire(self: TimedH11Protocol) -> None:
 def host_name(header: str) -> str:
     """The host of a Host header, lower case, without its port: `[::1]:8000` is `::1`."""
     header = header.strip().lower()
-    if header.startswith("[") and "]" in header:
-        return header[1:header.index("]")]
+    if header.startswith("["):  # [address] or [address]:port, else it names no host of ours
+        end = header.find("]")
+        rest = header[end + 1:]
+        ok = end > 0 and (rest == "" or (rest[:1] == ":" and rest[1:].isdigit()))
+        return header[1:end] if ok else header
     name, colon, port = header.partition(":")  # an address like ::1 has more colons: no port
     return (name if colon and port.isdigit() else header).rstrip(".")
 
@@ -639,7 +654,8 @@ def create_app(engine_loop: EngineLoop | EngineProcess, served_model_name: str, 
         check_host(request, allowed_hosts)
         check_api_key(request, api_key)
 
-    app = FastAPI(title="nanoengine", docs_url=None, redoc_url=None, dependencies=[Depends(door)])
+    app = FastAPI(title="nanoengine", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False, dependencies=[Depends(door)])
     served = serve_model(engine_loop, served_model_name, max_body_bytes)
     add_error_handlers(app)
     add_info_routes(app, served)

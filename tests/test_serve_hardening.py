@@ -125,6 +125,9 @@ MALFORMED = {
     "lone surrogate model": b'{"model": "\\ud800", "prompt": "x"}',
     "lone surrogate prompt": f'{{"model": "{MODEL}", "prompt": "a\\udfffb"}}'.encode(),
     "invalid UTF-8": b'{"model": "\xff\xfe", "prompt": "x"}',
+    "an encoded surrogate in stop": f'{{"model": "{MODEL}", "prompt": "a", "stop": "'.encode() + b'\xed\xa0\x80"}',
+    "an encoded surrogate in user": f'{{"model": "{MODEL}", "prompt": "a", "user": "'.encode() + b'\xed\xa0\x80"}',
+    "UTF-16": f'{{"model": "{MODEL}", "prompt": "a"}}'.encode("utf-16-le"),
     "not JSON": b"{not json",
     "not an object": b"[1, 2]",
 }
@@ -417,3 +420,72 @@ def test_allowed_hosts_in_process(ckpt):
     args = parse_args(["m", "--host", "0.0.0.0", "--allowed-hosts", "a.example", "B.example."])
     assert host_allowlist(args.host, args.allowed_hosts) == {"a.example", "b.example"}
     assert host_allowlist("::1", []) == frozenset() and host_allowlist("localhost", ["*"]) is None
+
+
+# Found by a red-team pass (issue 42): each got a 200, a misleading error, plain text or a redirect past the checks.
+LOOKALIKES = [({"echo": 0}, "echo"), ({"echo": 0.0}, "echo"), ({"best_of": True}, "best_of"),
+              ({"best_of": 1.0}, "best_of"), ({"prompt": ["a"] * 129}, "prompt"),
+              ({"prompt": [[5, 6]] * 200}, "prompt")]
+
+
+@pytest.mark.parametrize("extra,param", LOOKALIKES, ids=[f"{p}-{i}" for i, (_, p) in enumerate(LOOKALIKES)])
+def test_neutral_lookalikes_and_too_many_prompts_are_400s_naming_the_field(http, extra, param):
+    assert_error(*timed(http, "/v1/completions", body={**OK, **extra}), 400, param)
+    assert_serving(http)
+
+
+def chat(messages: list, **extra) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": 2, **extra}
+
+
+def test_message_fields_the_server_does_not_honour_are_refused_and_nulls_pass(http):
+    user = {"role": "user", "content": "x"}
+    for extra, param in (({"name": "bob"}, "messages[0].name"),
+                         ({"tool_calls": [{"id": "1"}]}, "messages[0].tool_calls"),
+                         ({"weight": 1}, "messages[0].weight")):
+        assert_error(*timed(http, "/v1/chat/completions", body=chat([{**user, **extra}])), 400, param)
+    echoed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None, "audio": None}
+    r = http.post("/v1/chat/completions", json=chat([user, echoed, user]))  # a reply sent back as it came
+    assert r.status_code == 200, r.text
+
+
+def test_a_conversation_of_more_messages_than_tokens_is_refused_before_tokenizing(http):
+    many = chat([{"role": "user", "content": ""}] * 20_000)  # 0 characters, 20,000 template markers
+    error = assert_error(*timed(http, "/v1/chat/completions", body=many), 400, "messages")
+    assert error["code"] == "context_length_exceeded" and "20000 messages" in error["message"]
+    assert_error(*timed(http, "/tokenize", body={"messages": many["messages"]}), 400, "messages")
+    assert_serving(http)
+
+
+def test_max_completion_tokens_null_leaves_max_tokens_in_force(http):
+    too_many = chat([{"role": "user", "content": "x"}], max_tokens=600, max_completion_tokens=None)
+    assert_error(*timed(http, "/v1/chat/completions", body=too_many), 400)
+
+
+def test_no_redirect_past_the_checks_and_no_schema(url):
+    bare = httpx.Client(base_url=url, timeout=30, follow_redirects=False)
+    for method, path in (("GET", "/v1/models/"), ("POST", "/v1/completions/"), ("GET", "/openapi.json"),
+                         ("GET", "/docs")):
+        r = bare.request(method, path, headers={"Host": "evil.example"})
+        assert r.status_code in (401, 404, 421) and "location" not in r.headers, (path, r.status_code, r.headers)
+        assert_error(r, 0.0, r.status_code)
+
+
+@pytest.mark.parametrize("head", [b"HELLO\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\nbad header\r\n\r\n",
+                                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+                                  b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"])
+def test_malformed_http_is_an_openai_error_too(http, url, head):
+    data = raw_request(url, head, [])
+    status, _, rest = data.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 400"), data[:200]
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in headers.lower()
+    assert json.loads(body)["error"]["code"] == "invalid_http_request"
+    assert_serving(http)
+
+
+def test_a_bracketed_host_with_anything_after_its_bracket_is_not_loopback():
+    from nanoengine.serve import host_name, is_loopback
+    assert host_name("[::1]:8000") == "::1" and host_name("[::1]") == "::1"
+    for header in ("[::1]evil.com", "[::1]:80x", "[::1", "[]:80"):
+        assert not is_loopback(host_name(header)), header

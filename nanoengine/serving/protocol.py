@@ -60,7 +60,9 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to wh
 def check_fields(body: dict, allowed: frozenset) -> None:
     """Refuse unknown fields, and known ones this server only honours at their neutral value."""
     for name, value in body.items():
-        if name in allowed or (name in NEUTRAL and value in (None, NEUTRAL[name])):
+        neutral = NEUTRAL.get(name)
+        if name in allowed or (name in NEUTRAL and (value is None or (
+                type(value) is type(neutral) and value == neutral))):  # echo=0 is not false
             continue
         if name in NEUTRAL:
             raise ApiError(f"{name}={brief(value)} is not supported by this server", name)
@@ -111,6 +113,11 @@ def parse_messages(messages) -> list[dict]:
         if not isinstance(content, str):
             raise ApiError(f"{where}.content must be a string or a list of text parts",
                            f"{where}.content")
+        for key in sorted(message.keys() - {"role", "content"}):  # name, tool_calls...: refused
+            if message[key] not in (None, []):  # null ones, as a client echoes a reply back
+                shown = key if key.isidentifier() and len(key) <= 40 else brief(key)
+                raise ApiError(f"{where}.{shown} is not supported by this server",
+                               f"{where}.{shown}")
         out.append({"role": message["role"], "content": content})
     return out
 
@@ -127,9 +134,14 @@ def parse_stop(stop) -> tuple[str, ...]:
 # %% ../../notebooks/15a_openai_protocol.ipynb #ec4de180
 def check_prompt_sizes(prompts: list, max_model_len: int, max_prompt_chars: int | None) -> None:
     """Refuse, before tokenizing, a prompt that cannot fit: more token ids than max_model_len,
-    or more characters than max_prompt_chars (so many that no tokenization could fit)."""
+    more characters than max_prompt_chars (so many that no tokenization could fit), or more
+    messages than max_model_len (a chat template marks each message with a token at least)."""
     for i, prompt in enumerate(prompts):
         chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        if chat and len(prompt) > max_model_len:
+            raise ApiError(f"prompt {i} has {len(prompt)} messages, more than can fit in "
+                           f"max_model_len ({max_model_len} tokens: each message takes one at "
+                           "least)", "messages", code="context_length_exceeded")
         if chat:
             size = sum(len(m["content"]) for m in prompt)
             unit, most = "characters", max_prompt_chars
@@ -209,8 +221,11 @@ def parse_request(body, served_model_name: str, *, chat: bool, max_model_len: in
     check_model(body, served_model_name)
     check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     prompts = [parse_messages(body.get("messages"))] if chat else parse_prompt(body.get("prompt"))
+    if len(prompts) > MAX_CHOICES:
+        raise ApiError(f"prompt holds {len(prompts)} prompts, more than the {MAX_CHOICES} one "
+                       "request may ask for", "prompt")
     check_prompt_sizes(prompts, max_model_len, max_prompt_chars)
-    newer = chat and "max_completion_tokens" in body
+    newer = chat and body.get("max_completion_tokens") is not None  # else max_tokens counts
     max_field = "max_completion_tokens" if newer else "max_tokens"
     fit = chat and body.get(max_field) is None
     params = parse_sampling(body, max_field, max_model_len if fit else DEFAULT_MAX_TOKENS,
