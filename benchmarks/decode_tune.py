@@ -3,7 +3,8 @@ stages, and for split steps the keys per partition), on four of paged_decode_swe
 keys (unsplit, most of a batch-256 step), and one sequence of 100 or 600 keys and eight of 1,000 (split, with the
 combine kernel).
 
-    python benchmarks/decode_tune.py OUT.json      (needs a CUDA GPU)
+    python benchmarks/decode_tune.py OUT.json          (needs a CUDA GPU)
+    python benchmarks/decode_tune.py OUT.json --fp8    (the same over float8 caches with their scales, 13.1)
 
 Each setting is checked against the engine's own (`paged_decode`) before it is timed, and the results are written
 after every setting, so a run cut short keeps what it measured. The engine's setting is timed first."""
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, graph_us, scattered_step  # noqa: E402
 
 from nanoengine.bench import provenance  # noqa: E402
+from nanoengine.kernels.kv_fp8 import quantize_kv  # noqa: E402
 from nanoengine.kernels.paged_decode import (  # noqa: E402
     DECODE_BLOCK_N, _combine_kernel, _decode_kernel, decode_partition, paged_decode, pdl_capable,
 )
@@ -32,15 +34,17 @@ SPLIT_SETTINGS = [(None, DECODE_BLOCK_N, 4, 2)] + [  # split steps: the partitio
 ]
 
 
-def launch(q, kc, vc, tables, lens, out, part, stats, partition, num_parts, block_n, warps, stages, order=None):
-    """paged_decode's launch with the tile, warps and stages given (and, unsplit, the sequences' order)."""
+def launch(q, kc, vc, ks, vs, tables, lens, out, part, stats, partition, num_parts, block_n, warps, stages,
+           order=None):
+    """paged_decode's launch with the tile, warps and stages given (and, unsplit, the sequences' order); float8
+    caches read their scales `ks`, `vs`, other caches pass themselves there (unread)."""
     pdl, ordered = pdl_capable(q.device), order is not None and num_parts == 1
     _decode_kernel[(KV_HEADS, q.shape[0], num_parts)](
-        q, kc, vc, kc, vc, tables, lens, order if ordered else lens, out, part, stats, HEAD_DIM**-0.5, q.stride(0),
+        q, kc, vc, ks, vs, tables, lens, order if ordered else lens, out, part, stats, HEAD_DIM**-0.5, q.stride(0),
         q.stride(1), kc.stride(0), kc.stride(1), tables.stride(0), out.stride(0), out.stride(1), PARTITION=partition,
         BLOCK_SIZE=BLOCK, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, D=HEAD_DIM, BLOCK_N=block_n, SPLIT=num_parts > 1,
         ORDERED=ordered, PDL=pdl,
-        INTERPRET=False, FP8=False, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        INTERPRET=False, FP8=kc.dtype == torch.float8_e4m3fn, launch_pdl=pdl, num_warps=warps, num_stages=stages,
     )
     if num_parts > 1:
         _combine_kernel[(q.shape[0], HEADS)](
@@ -49,16 +53,23 @@ def launch(q, kc, vc, tables, lens, out, part, stats, partition, num_parts, bloc
         )
 
 
-def main(path: str) -> dict:
-    results = {"provenance": provenance(), "what": __doc__.split("\n\n")[0], "cases": {}}
+def float8_pools(pools: list) -> list:
+    """Each layer's (K, V) caches quantized as the engine stores them: (K, V, K scales, V scales)."""
+    return [(kq, vq, ks, vs) for (kq, ks), (vq, vs) in ((quantize_kv(k), quantize_kv(v)) for k, v in pools)]
+
+
+def main(path: str, fp8: bool = False) -> dict:
+    results = {"provenance": provenance(), "what": __doc__.split("\n\n")[0], "fp8": fp8, "cases": {}}
     for name, lens in CASES.items():
         width = math.ceil(4096 / BLOCK)  # the graph's width at max_model_len 4096
         pools, tables, ctx = scattered_step(lens, width)
+        pools = float8_pools(pools) if fp8 else [(k, v, k, v) for k, v in pools]
         q = torch.randn(len(lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         engine_partition = decode_partition(len(lens), KV_HEADS, width * BLOCK)
         split = engine_partition < width * BLOCK
         out = torch.empty_like(q)
-        want = paged_decode(q, *pools[0], tables, ctx, HEAD_DIM**-0.5)
+        kv_scales = pools[0][2:] if fp8 else None
+        want = paged_decode(q, *pools[0][:2], tables, ctx, HEAD_DIM**-0.5, kv_scales=kv_scales)
         case = results["cases"][name] = {"engine_partition": engine_partition, "settings": []}
         for partition, block_n, warps, stages in SPLIT_SETTINGS if split else SETTINGS:
             partition = partition or engine_partition
@@ -83,4 +94,4 @@ def main(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], fp8="--fp8" in sys.argv[2:])
