@@ -34,6 +34,7 @@ from functools import partial
 
 from fastcore.basics import patch
 
+from .engine.scheduler import ContextLengthError
 from .llm import LLM
 from .serving.engine_loop import (Delta, EngineLoop, EngineProcess, Failed, Rejected,
                                            Submission, engine_stats, tokenize_prompts)
@@ -130,7 +131,9 @@ class Call:
         if isinstance(event, Rejected):
             self.outcome = "rejected"
             param = "messages" if self.parsed.submission.chat else "prompt"
-            raise ApiError(str(event.error), param)
+            too_long = isinstance(event.error, ContextLengthError)
+            raise ApiError(str(event.error), param,
+                           code="context_length_exceeded" if too_long else None)
         if isinstance(event, Failed):
             self.outcome = "failed"
             raise ApiError(event.message, None, status=503, type="server_error")

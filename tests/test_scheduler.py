@@ -8,7 +8,7 @@ from transformers import PretrainedConfig
 
 from nanoengine.config import Config, Optimizations
 from nanoengine.engine.block_manager import check_invariants
-from nanoengine.engine.scheduler import Scheduler
+from nanoengine.engine.scheduler import ContextLengthError, Scheduler
 from nanoengine.engine.sequence import Sequence, SequenceStatus
 from nanoengine.sampling_params import SamplingParams
 
@@ -35,9 +35,9 @@ def drain(sch: Scheduler, rng: random.Random, vocab: int = 50, max_steps: int = 
 
 def test_impossible_requests_are_rejected_when_added_and_the_scheduler_keeps_serving():
     sch = Scheduler(8, 4, max_model_len=64)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ContextLengthError, match="max_model_len"):  # a ValueError
         sch.add(seq(60, max_tokens=5))
-    with pytest.raises(ValueError, match="KV blocks"):
+    with pytest.raises(ContextLengthError, match="KV blocks"):
         sch.add(seq(30, max_tokens=10))
     with pytest.raises(ValueError, match="block_size"):
         sch.add(seq(4, block_size=8))

@@ -457,6 +457,18 @@ def test_a_conversation_of_more_messages_than_tokens_is_refused_before_tokenizin
     assert_serving(http)
 
 
+def test_a_prompt_and_max_tokens_past_the_context_are_context_length_exceeded(http):
+    # each fits alone (the protocol's checks pass), together they do not: the engine refuses
+    for path, body, param in (
+            ("/v1/completions", {"model": MODEL, "prompt": "one two three four", "max_tokens": 510},
+             "prompt"),
+            ("/v1/chat/completions", chat([{"role": "user", "content": "hi"}], max_tokens=510),
+             "messages")):
+        error = assert_error(*timed(http, path, body=body), 400, param)
+        assert error["code"] == "context_length_exceeded" and "max_model_len" in error["message"]
+    assert_serving(http)
+
+
 def test_max_completion_tokens_null_leaves_max_tokens_in_force(http):
     too_many = chat([{"role": "user", "content": "x"}], max_tokens=600, max_completion_tokens=None)
     assert_error(*timed(http, "/v1/chat/completions", body=too_many), 400)

@@ -318,8 +318,8 @@ def _make_requests(self: LLMEngine, prompts, sampling_params) -> list[Sequence]:
         token_ids = self._tokenize(i, prompt)
         try:
             self.scheduler.check_request(len(token_ids), params)
-        except ValueError as e:
-            raise ValueError(f"prompt {i}: {e}") from None
+        except ValueError as e:  # the same kind (ContextLengthError stays one), named
+            raise type(e)(f"prompt {i}: {e}") from None
         seqs.append(Sequence(token_ids, params, block_size=self.config.kvcache_block_size))
     return seqs
 
