@@ -85,6 +85,7 @@ class LiveRequest:
     num_sent: list[int] = field(init=False)  # characters of each text already emitted
     done: list[bool] = field(init=False)
     floors: list[int | None] = field(init=False)  # where a stop string may end (min_tokens)
+    searched: list[int] = field(init=False)  # characters of each text searched past its floor
     admitted: float = field(init=False)  # time.perf_counter() when the engine queued it
     scheduled: float | None = field(init=False)  # when the step that first took it in began
     timed: bool = field(init=False)  # its first token's Delta has gone (with the timing)
@@ -93,6 +94,7 @@ class LiveRequest:
         self.texts = [IncrementalText(self.tokenizer) for _ in self.seqs]
         self.num_sent = [0] * len(self.seqs)
         self.done = [False] * len(self.seqs)
+        self.searched = [0] * len(self.seqs)
         self.floors = [None if seq.sampling_params.min_tokens > 1 and seq.sampling_params.stop
                        else 0 for seq in self.seqs]  # None: not known yet
         self.admitted, self.scheduled, self.timed = time.perf_counter(), None, False
@@ -168,7 +170,11 @@ def publish(engine: LLMEngine, request: LiveRequest, step_began: float | None = 
         else:
             text.advance(seq)
             stop, floor = seq.sampling_params.stop, stop_floor(engine, request, i, num_tokens)
-            cut = -1 if floor is None else find_stop(text.text, stop, floor=floor)
+            cut = -1
+            if floor is not None:  # a new stop string ends in the new text: search only there
+                start = max(0, request.searched[i] - max(map(len, stop), default=0) + 1)
+                cut = find_stop(text.text, stop, start, floor)
+                request.searched[i] = len(text.text)
             ready = text.text[:cut if cut >= 0 else len(text.text) - held_back(text.text, stop)]
         new = ready[request.num_sent[i]:]
         request.num_sent[i] = max(request.num_sent[i], len(ready))
