@@ -44,6 +44,34 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+# transformers' answers depend on the prompt and the settings only, not on the engine's scheduling: the async and
+# sync runs of a test share them (they are most of this file's time on a CPU)
+_REFERENCES: dict[tuple, object] = {}
+
+
+def hf_generate(hf, prompt: list[int], **settings) -> list[int]:
+    """transformers' greedy `generate` after `prompt`, cut after the first EOS (token 2); computed once per input."""
+    key = ("generate", tuple(prompt), tuple(sorted(settings.items())))
+    if key not in _REFERENCES:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              do_sample=False, pad_token_id=2, **settings)[0, len(prompt):].tolist()
+        _REFERENCES[key] = out[: out.index(2) + 1] if 2 in out else out
+    return _REFERENCES[key]
+
+
+def penalized_greedy(hf, prompt: list[int], presence: float, frequency: float) -> list[int]:
+    """Greedy decoding on transformers' logits with the presence and frequency penalties applied by their
+    definition; computed once per input."""
+    key = ("penalized", tuple(prompt), presence, frequency)
+    if key not in _REFERENCES:
+        def adjust(logits, prompt, generated):
+            counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.shape[0])
+            return logits - frequency * counts - presence * (counts > 0)
+        _REFERENCES[key] = greedy_with(hf, prompt, adjust)
+    return _REFERENCES[key]
+
+
 def greedy_with(hf, prompt: list[int], adjust, max_new: int = MAX_NEW, eos: int = 2) -> list[int]:
     """Greedy decoding on transformers' logits, `adjust(logits, prompt, generated)` applied at each step."""
     generated: list[int] = []
@@ -71,7 +99,10 @@ def test_logprobs_are_transformers_log_softmax_of_each_position(llm, smollm2_hf)
             continue
         tokens, entries = out["token_ids"], out["logprobs"]
         assert len(entries) == len(tokens) and all(isinstance(e, TokenLogprobs) for e in entries)
-        exact = hf_logits(smollm2_hf, prompt + tokens)[len(prompt) - 1: -1].log_softmax(-1)  # [T, V]
+        key = ("log_softmax", tuple(prompt), tuple(tokens))
+        if key not in _REFERENCES:  # the async and sync runs draw the same tokens
+            _REFERENCES[key] = hf_logits(smollm2_hf, prompt + tokens)[len(prompt) - 1: -1].log_softmax(-1)
+        exact = _REFERENCES[key]  # [T, V]
         for t, (token, entry) in enumerate(zip(tokens, entries)):
             assert entry.token_id == token
             assert entry.logprob == pytest.approx(exact[t, token].item(), abs=2e-3)
@@ -91,13 +122,7 @@ def test_repetition_penalty_equals_transformers_generate(llm, smollm2_hf):
         got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, repetition_penalty=rho),
                            use_tqdm=False)
         for prompt, out in zip(prompts, got):
-            with torch.no_grad():
-                ref = smollm2_hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                          do_sample=False, max_new_tokens=MAX_NEW, repetition_penalty=rho,
-                                          pad_token_id=2)
-            expected = ref[0, len(prompt):].tolist()
-            if 2 in expected:
-                expected = expected[: expected.index(2) + 1]
+            expected = hf_generate(smollm2_hf, prompt, max_new_tokens=MAX_NEW, repetition_penalty=rho)
             assert out["token_ids"] == expected, (rho, llm.tokenizer.decode(prompt))
 
 
@@ -109,10 +134,7 @@ def test_presence_and_frequency_penalties_follow_their_definition_on_transformer
     got = llm.generate(prompts, params, use_tqdm=False)
     plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     for prompt, (presence, frequency), out in zip(prompts, settings, got):
-        def adjust(logits, prompt, generated):
-            counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=logits.shape[0])
-            return logits - frequency * counts - presence * (counts > 0)
-        assert out["token_ids"] == greedy_with(smollm2_hf, prompt, adjust)
+        assert out["token_ids"] == penalized_greedy(smollm2_hf, prompt, presence, frequency)
     assert any(a["token_ids"] != b["token_ids"] for a, b in zip(got, plain)), "the penalties changed something"
 
 
@@ -124,11 +146,7 @@ def test_min_tokens_holds_back_eos_as_transformers_min_new_tokens_does(llm, smol
     assert short["finish_reason"] == "stop" and short["token_ids"][-1] == 2
     floor = len(short["token_ids"]) + 4
     got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, min_tokens=floor), use_tqdm=False)[0]
-    with torch.no_grad():
-        ref = smollm2_hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  do_sample=False, max_new_tokens=40, min_new_tokens=floor, pad_token_id=2)
-    expected = ref[0, len(prompt):].tolist()
-    expected = expected[: expected.index(2) + 1] if 2 in expected else expected
+    expected = hf_generate(smollm2_hf, prompt, max_new_tokens=40, min_new_tokens=floor)
     assert got["token_ids"] == expected and len(got["token_ids"]) >= floor
     assert 2 not in got["token_ids"][:floor]
 
