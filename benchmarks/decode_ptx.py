@@ -1,17 +1,22 @@
 """What the compiler makes of section 08.1's decode kernel for a Hopper GPU (sm_90), with a bfloat16 cache and with
-a float8 one: the shared-memory, asynchronous-copy and tensor-core instructions in its PTX. Compiling needs no GPU
-(Triton's own LLVM and ptxas), so this runs on any machine; the counts depend on the Triton version, which the JSON
-records. Section 13.1 reads them to explain why the float8 kernel reads half the bytes at half the rate.
+a float8 one: the shared-memory, asynchronous-copy and tensor-core instructions in its PTX, and the registers and
+shared memory each program holds, hence how many programs one SM can run at once. Compiling needs no GPU (Triton's
+own LLVM, ptxas and cuobjdump), so this runs on any machine; the counts depend on the Triton version, which the JSON
+records. Section 13.1 reads them to explain why the float8 kernel was slow with the bfloat16 kernel's launch
+settings, and what its own settings change.
 
     python benchmarks/decode_ptx.py benchmarks/host_decode_ptx.json
 
 The launch is the engine's for an unsplit batch-256 step of Qwen3-0.6B (2 query heads per KV head, head dim 128,
-256-token blocks, 64 keys per tile, 4 warps, 3 stages), with the divisibility by 16 that Triton's launcher finds in
-the real pointers and strides."""
+256-token blocks, 4 warps), with the divisibility by 16 that Triton's launcher finds in the real pointers and
+strides; each kernel at the tile and pipeline depth `paged_decode` gives it, and the float8 one also at the
+bfloat16 kernel's."""
 import collections
 import json
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import triton
@@ -19,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanoengine.bench import provenance
-from nanoengine.kernels.paged_decode import DECODE_BLOCK_N, _decode_kernel
+from nanoengine.kernels.paged_decode import DECODE_BLOCK_N, DECODE_FP8_BLOCK_N, _decode_kernel
 
 # PTX instructions by what they do (a regular expression each, counted over the whole kernel)
 KINDS = {
@@ -35,8 +40,38 @@ KINDS = {
 }
 
 
-def compile_decode(fp8: bool) -> dict:
-    """The decode kernel compiled for sm_90: its instruction counts and shared memory bytes."""
+# One Hopper SM (H100 and H200 alike): what its resident programs share
+SM90 = {"registers": 65_536, "shared_memory_bytes": 228 * 1024, "max_warps": 64, "max_programs": 32}
+WARPS = 4
+# (keys per tile, pipeline stages): paged_decode's own for an unsplit step, and the float8 kernel at bfloat16's
+LAUNCHES = {"auto": (False, DECODE_BLOCK_N, 3), "fp8": (True, DECODE_FP8_BLOCK_N, 2),
+            "fp8_at_bfloat16_setting": (True, DECODE_BLOCK_N, 3)}
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers per thread and static shared memory of a compiled kernel, from cuobjdump."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    return {"registers_per_thread": int(re.search(r"REG:(\d+)", usage).group(1)),
+            "static_shared_bytes": int(re.search(r"SHARED:(\d+)", usage).group(1))}
+
+
+def programs_per_sm(registers: int, shared_bytes: int, warps: int = WARPS) -> dict[str, int]:
+    """How many programs of `warps` warps one SM holds at once, and what binds: registers are
+    given out per warp in units of 256, shared memory per program."""
+    per_warp = -(-registers * 32 // 256) * 256
+    limits = {"by_registers": SM90["registers"] // (per_warp * warps),
+              "by_shared_memory": SM90["shared_memory_bytes"] // shared_bytes,
+              "by_warps": SM90["max_warps"] // warps, "by_programs": SM90["max_programs"]}
+    return {"programs": min(limits.values()), **limits}
+
+
+def compile_decode(fp8: bool, block_n: int, stages: int) -> dict:
+    """The decode kernel compiled for sm_90: its instruction counts, registers and shared memory."""
     kv = "*fp8e4nv" if fp8 else "*bf16"
     signature = {
         "q_ptr": "*bf16", "k_ptr": kv, "v_ptr": kv, "ks_ptr": "*fp32" if fp8 else kv,
@@ -45,7 +80,7 @@ def compile_decode(fp8: bool) -> dict:
         "stride_qh": "i32", "stride_block": "i32", "stride_key": "i32", "stride_tb": "i32", "stride_ob": "i32",
         "stride_oh": "i32",
     }
-    constants = dict(PARTITION=512, BLOCK_SIZE=256, GROUP=2, GROUP_PAD=16, D=128, BLOCK_N=DECODE_BLOCK_N,
+    constants = dict(PARTITION=512, BLOCK_SIZE=256, GROUP=2, GROUP_PAD=16, D=128, BLOCK_N=block_n,
                      SPLIT=False, ORDERED=True, PDL=False, INTERPRET=False, FP8=fp8)
     signature |= {name: "constexpr" for name in constants}
     names = list(signature)
@@ -53,21 +88,27 @@ def compile_decode(fp8: bool) -> dict:
     source = ASTSource(_decode_kernel, signature,
                        constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": WARPS, "num_stages": stages})
     ptx = kernel.asm["ptx"]
     counts = {kind: len(re.findall(pattern, ptx)) for kind, pattern in KINDS.items()}
     other = collections.Counter(re.findall(r"\b(ld\.shared[.a-z0-9]*)", ptx))
-    return {"counts": counts, "shared_loads": dict(sorted(other.items())), "shared_memory_bytes": kernel.metadata.shared}
+    used = resources(kernel.asm["cubin"])
+    shared = kernel.metadata.shared + used["static_shared_bytes"]
+    return {"keys_per_tile": block_n, "stages": stages, "counts": counts,
+            "shared_loads": dict(sorted(other.items())), "shared_memory_bytes": kernel.metadata.shared,
+            **used, "per_sm": programs_per_sm(used["registers_per_thread"], shared)}
 
 
 def main(path: str) -> dict:
     results = {"provenance": provenance(), "what": __doc__.split("\n\n")[0],
-               "launch": "unsplit, 2 query heads per KV head, head dim 128, 256-token blocks, "
-                         f"{DECODE_BLOCK_N} keys per tile, 4 warps, 3 stages, sm_90",
-               "kernels": {"auto": compile_decode(False), "fp8": compile_decode(True)}}
+               "launch": f"unsplit, 2 query heads per KV head, head dim 128, 256-token blocks, {WARPS} warps, "
+                         "sm_90; keys per tile and stages per kernel", "sm90": SM90,
+               "kernels": {name: compile_decode(*launch) for name, launch in LAUNCHES.items()}}
     Path(path).write_text(json.dumps(results, indent=1) + "\n")
     for name, r in results["kernels"].items():
-        print(name, r["counts"], f"{r['shared_memory_bytes']:,} bytes of shared memory")
+        print(name, r["counts"], f"{r['shared_memory_bytes']:,} bytes of shared memory,",
+              f"{r['registers_per_thread']} registers a thread, {r['per_sm']['programs']} programs an SM")
     return results
 
 
