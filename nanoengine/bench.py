@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -111,7 +112,17 @@ def ensure_checkpoint(preset: str, directory: str | os.PathLike | None = None) -
     path = Path(directory or Path(tempfile.gettempdir()) / f"nanoengine-bench-{preset}")
     if not (path / "config.json").exists():
         widen = {"vocab_size": 10_240, "tie_word_embeddings": False} if preset == "tiny" else {}
-        write_random_checkpoint(path, preset, seed=0, **widen)
+        # written beside it, then renamed: a process starting at the same time sees all or none
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f"{path.name}.", dir=path.parent))
+        write_random_checkpoint(partial, preset, seed=0, **widen)
+        try:
+            partial.rename(path)
+        except OSError:  # another process's rename came first, or `path` holds other files
+            shutil.rmtree(partial, ignore_errors=True)
+            if not (path / "config.json").exists():
+                raise OSError(f"{path} exists and holds no checkpoint; remove it or pass "
+                              "another directory") from None
     return path
 
 
