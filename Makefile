@@ -40,7 +40,7 @@ TRITON_LOW := $(shell sed -n 's/.*"triton>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 test: install .triton-low/triton
 	$(BIN)/ruff check
 	bash tests/browser_setup.sh
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q
 
 # On a machine with a CUDA GPU (and flash-attn): a short serving sweep against serve_h200.json, every test with
 # CUDA visible, then every notebook with all its cells.
