@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanoengine.bench import provenance
-from nanoengine.kernels.paged_decode import DECODE_BLOCK_N, DECODE_FP8_BLOCK_N, _decode_kernel
+from nanoengine.kernels.paged_decode import _decode_kernel, decode_launch
 
 # PTX instructions by what they do (a regular expression each, counted over the whole kernel)
 KINDS = {
@@ -43,9 +43,9 @@ KINDS = {
 # One Hopper SM (H100 and H200 alike): what its resident programs share
 SM90 = {"registers": 65_536, "shared_memory_bytes": 228 * 1024, "max_warps": 64, "max_programs": 32}
 WARPS = 4
-# (keys per tile, pipeline stages): paged_decode's own for an unsplit step, and the float8 kernel at bfloat16's
-LAUNCHES = {"auto": (False, DECODE_BLOCK_N, 3), "fp8": (True, DECODE_FP8_BLOCK_N, 2),
-            "fp8_at_bfloat16_setting": (True, DECODE_BLOCK_N, 3)}
+# (float8, keys per tile, pipeline stages): paged_decode's own for an unsplit step, and the float8 kernel at bfloat16's
+LAUNCHES = {"auto": (False, *decode_launch(False, False)), "fp8": (True, *decode_launch(True, False)),
+            "fp8_at_bfloat16_setting": (True, *decode_launch(False, False))}
 
 
 def resources(cubin: bytes) -> dict[str, int]:

@@ -22,7 +22,7 @@ from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, graph_us, scatt
 from nanoengine.bench import provenance  # noqa: E402
 from nanoengine.kernels.kv_fp8 import quantize_kv  # noqa: E402
 from nanoengine.kernels.paged_decode import (  # noqa: E402
-    DECODE_BLOCK_N, DECODE_FP8_BLOCK_N, _combine_kernel, _decode_kernel, decode_partition, paged_decode, pdl_capable,
+    _combine_kernel, _decode_kernel, decode_launch, decode_partition, paged_decode, pdl_capable,
 )
 
 CASES = {"256 x 512 keys": [512] * 256, "1 x 600 keys": [600], "1 x 100 keys": [100], "8 x 1000 keys": [1000] * 8}
@@ -30,13 +30,12 @@ CASES = {"256 x 512 keys": [512] * 256, "1 x 600 keys": [600], "1 x 100 keys": [
 
 def settings(fp8: bool, split: bool) -> list:
     """(keys per partition, per tile, warps, stages), paged_decode's own first (None: the engine's partition)."""
-    block_n = DECODE_FP8_BLOCK_N if fp8 else DECODE_BLOCK_N
+    block_n, stages = decode_launch(fp8, split)
+    own = (None, block_n, 4, stages)
     if split:
-        return [(None, block_n, 4, 2)] + [(p, n, w, s) for p in (64, 128, 256) for n in (32, 64)
-                                          for w in (4, 8) for s in (2, 3)]
-    engine = (block_n, 4, 2 if fp8 else 3)
-    return [(None, *engine)] + [(None, n, w, s) for n in (64, 128, 32) for w in (4, 8)
-                                for s in (2, 3, 1) if (n, w, s) != engine]
+        return [own] + [(p, n, w, s) for p in (64, 128, 256) for n in (32, 64) for w in (4, 8) for s in (2, 3)]
+    return [own] + [(None, n, w, s) for n in (64, 128, 32) for w in (4, 8) for s in (2, 3, 1)
+                    if (None, n, w, s) != own]
 
 
 def launch(q, kc, vc, ks, vs, tables, lens, out, part, stats, partition, num_parts, block_n, warps, stages,

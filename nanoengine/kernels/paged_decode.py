@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['DECODE_BLOCK_N', 'DECODE_FP8_BLOCK_N', 'DECODE_PARTITION', 'DECODE_SMALL_PARTITION', 'DECODE_SMALL_PAIRS',
-           'DECODE_MAX_PARTS', 'DECODE_SPLIT_BELOW', 'pdl_capable', 'decode_partition', 'paged_decode',
+           'DECODE_MAX_PARTS', 'DECODE_SPLIT_BELOW', 'pdl_capable', 'decode_partition', 'decode_launch', 'paged_decode',
            'paged_decode_unavailable_reason']
 
 # %% ../../notebooks/08a_paged_decode.ipynb #bf60074d
@@ -180,6 +180,14 @@ def decode_partition(num_seqs: int, num_kv_heads: int, max_keys: int) -> int:
     return triton.cdiv(partition, DECODE_BLOCK_N) * DECODE_BLOCK_N
 
 # %% ../../notebooks/08a_paged_decode.ipynb #pdc00001
+def decode_launch(fp8: bool, split: bool) -> tuple[int, int]:
+    """(keys per tile, pipeline stages) of the decode kernel: a whole sequence per program gets a
+    deeper pipeline, except over float8 caches, which take their own tile (13.1)."""
+    if fp8:
+        return DECODE_FP8_BLOCK_N, 2
+    return DECODE_BLOCK_N, 2 if split else 3
+
+
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, order: torch.Tensor | None = None,
@@ -224,7 +232,7 @@ def paged_decode(
         part = torch.empty(num_seqs * num_heads * num_parts, head_dim, device=q.device)
         stats = torch.empty(num_seqs * num_heads * num_parts, 2, device=q.device)
     group = num_heads // num_kv_heads
-    block_n = DECODE_FP8_BLOCK_N if fp8 else DECODE_BLOCK_N
+    block_n, stages = decode_launch(fp8, num_parts > 1)
     pdl, ordered = pdl_capable(q.device), order is not None and num_parts == 1
     # KV heads on the grid's fastest axis: a sequence's 8 programs start together (section 2)
     _decode_kernel[(num_kv_heads, num_seqs, num_parts)](
@@ -236,8 +244,7 @@ def paged_decode(
         D=head_dim, BLOCK_N=math.gcd(block_n, block_size), SPLIT=num_parts > 1,
         ORDERED=ordered, PDL=pdl, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", FP8=fp8,
         launch_pdl=pdl, num_warps=4,
-        # a whole sequence per program: a deeper pipeline, except over float8 caches (13.1)
-        num_stages=2 if num_parts > 1 or fp8 else 3,
+        num_stages=stages,
     )
     if num_parts > 1:
         _combine_kernel[(num_seqs, num_heads)](
