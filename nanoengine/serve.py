@@ -110,8 +110,8 @@ class Call:
         self.events: asyncio.Queue = asyncio.Queue()
         self.pending: object | None = None  # an event taken early while merging deltas
         emit = partial(mailbox(asyncio.get_running_loop()).post, self.events)
+        self.submitted = time.perf_counter()  # before the engine can see it: TTFT holds its queue
         self.request_id = engine_loop.submit(parsed.submission, emit)
-        self.submitted = time.perf_counter()
         self.num_prompt_tokens = 0
         self.num_tokens: list[int] = []  # per sequence, so far
         self.text_offsets: list[int] = []  # per sequence, the characters of its token strings
