@@ -332,6 +332,7 @@ ABLATIONS: dict[str, dict] = {
     "no one-pass sampler": {"optimizations": Optimizations(one_pass_sampler=False)},
     "no cached activation memory": {"optimizations": Optimizations(keep_activation_memory=False)},
     "no batched text decode": {"optimizations": Optimizations(batch_text_decode=False)},
+    "no prompt graphs": {"optimizations": Optimizations(prompt_graphs=False)},
     "no CUDA graphs": {"enforce_eager": True},
     "no torch.compile": {"optimizations": Optimizations(torch_compile=False)},
     "no prefix caching": {"enable_prefix_caching": False},

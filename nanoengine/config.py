@@ -84,6 +84,7 @@ class Optimizations:
     one_pass_sampler: bool = True  # sampling in one Triton pass over the logits (11.4)
     keep_activation_memory: bool = True  # the largest step's activations stay cached (09)
     batch_text_decode: bool = True  # generate detokenizes all completions in one call (10)
+    prompt_graphs: bool = True  # prompt steps as CUDA graphs between attention calls (11.5)
 
     def __post_init__(self):
         for name in self.__dataclass_fields__:

@@ -665,3 +665,87 @@ def logprob_errors_against_float32(path, asked, device: str = "cuda") -> tuple[f
         ours = max(ours, (got - ref).abs().max().item())
         theirs = max(theirs, (hf - ref).abs().max().item())
     return ours, theirs
+
+
+def _prompt_step_logits(runner, seqs) -> torch.Tensor:
+    """The last-token logits of one prompt step through the runner's _forward: [num_seqs, vocab] float32."""
+    with torch.inference_mode():
+        try:
+            hidden, _ = runner._forward(seqs, True, None)
+            return runner.model.compute_logits(hidden).float()
+        finally:
+            runner.step.reset()
+
+
+def test_prompt_graphs_compute_prompt_and_mixed_steps_as_the_eager_model_does(ckpt, monkeypatch):
+    """Section 11.5: fresh prompts, and decode rows beside a chunk over a cached prefix, through the pieces and
+    eagerly: the same argmax and logits within bf16 rounding; a step past the largest bucket runs eagerly."""
+    from nanoengine.engine.sequence import Sequence
+    from nanoengine.config import Optimizations
+    llm = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=16, max_model_len=1024, max_num_batched_tokens=768)
+    runner = llm.model_runner
+    pieces = runner.prompt_graphs
+    assert pieces is not None and pieces.max_tokens == 768 and pieces.buckets[-1] == 768
+    assert pieces.num_graphs == (len(runner.attention_layers) + 1) * len(pieces.buckets)
+    g = torch.Generator().manual_seed(4)
+
+    def seq(n: int, blocks: list[int], cached: int = 0, decode: bool = False) -> Sequence:
+        s = Sequence(torch.randint(3, 380, (n,), generator=g).tolist(), block_size=256)
+        s.block_table, s.num_cached_tokens, s.num_scheduled_tokens = blocks, cached, n - cached
+        s.is_prefill = not decode
+        return s
+
+    steps = [[seq(300, [0, 1]), seq(45, [2]), seq(170, [3])],
+             [seq(40, [4], 39, decode=True), seq(301, [5, 6], 300, decode=True), seq(700, [7, 8, 9], 512)]]
+    replays = []
+    replay = pieces.replay
+    monkeypatch.setattr(pieces, "replay", lambda *a: replays.append(len(a[0])) or replay(*a))
+    for s in steps:
+        graphed = _prompt_step_logits(runner, s)
+        runner.prompt_graphs = None
+        eager = _prompt_step_logits(runner, s)
+        runner.prompt_graphs = pieces
+        assert torch.equal(graphed.argmax(-1), eager.argmax(-1))
+        assert (graphed - eager).abs().max().item() <= 0.05 * eager.abs().max().item()
+    assert replays == [515, 190]
+    _prompt_step_logits(runner, [seq(800, [10, 11, 12, 13])])  # past 768 tokens: the eager model
+    assert replays == [515, 190]
+    llm.close()
+    plain = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=4, max_model_len=1024,
+                optimizations=Optimizations(prompt_graphs=False))
+    assert plain.model_runner.prompt_graphs is None and plain.model_runner.graphs is not None
+    plain.close()
+
+
+def test_flash_prefill_through_the_extension_entry_equals_flash_attns_python_function():
+    """Section 11.5: FlashBackend calls flash-attn 2.8's varlen_fwd itself; the same kernel, the same bits, fresh
+    keys or keys read from the pool through block tables."""
+    import flash_attn
+    from nanoengine.layers.paged_attention import FlashBackend
+    from nanoengine.utils.context import Context
+    backend = FlashBackend()
+    if not flash_attn.__version__.startswith("2.8."):
+        assert backend._varlen_fwd is None
+        pytest.skip(f"flash-attn {flash_attn.__version__}: the Python function only")
+    assert backend._varlen_fwd is not None
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+    q, k, v = rand(12, 16, 128), rand(12, 8, 128), rand(12, 8, 128)
+    k_cache, v_cache = rand(4, 256, 8, 128), rand(4, 256, 8, 128)
+    fresh = Context(is_prefill=True, cu_seqlens_q=ints([0, 5, 12]), cu_seqlens_k=ints([0, 5, 12]), max_seqlen_q=7,
+                    max_seqlen_k=7)
+    cached = Context(is_prefill=True, cu_seqlens_q=ints([0, 5, 12]), cu_seqlens_k=ints([0, 300, 312]),
+                     max_seqlen_q=7, max_seqlen_k=300, block_tables=ints([[2, 0], [3, -1]]))
+    direct = backend._varlen_fwd
+    for ctx in (fresh, cached):
+        backend._varlen_fwd = direct
+        ours = backend.prefill(q, k, v, k_cache, v_cache, ctx, 128**-0.5)
+        backend._varlen_fwd = None
+        theirs = backend.prefill(q, k, v, k_cache, v_cache, ctx, 128**-0.5)
+        assert torch.equal(ours, theirs)

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config import Config
 from .cuda_graphs import CUDAGraphDecoder
+from .prompt_graphs import PROMPT_GRAPH_MAX_TOKENS, PromptGraphs
 from .sequence import Sequence, TokenLogprobs
 from ..kernels.fused import tune_kernels
 from ..layers.attention import Attention
@@ -99,6 +100,7 @@ class ModelRunner:
     eos_token_ids: tuple[int, ...] = ()  # what min_tokens holds back (the engine sets them)
     vocab_size: int | None = None  # stop ids at or above it never ban a token (from the config)
     graphs: CUDAGraphDecoder | None = None  # the decode graphs (chapter 11), captured last
+    prompt_graphs: PromptGraphs | None = None  # prompt and mixed steps in pieces (section 11.5)
 
     def __init__(self, config: Config, rank: int = 0, local_rank: int | None = None):
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
@@ -122,6 +124,8 @@ class ModelRunner:
             if on_gpu and not config.enforce_eager:
                 self.graphs = self._capture_graphs()
                 self.decode_table_width = self.graphs.max_blocks  # see _split_mixed
+                if config.optimizations.prompt_graphs:
+                    self.prompt_graphs = self._capture_prompt_graphs()
         if on_gpu and config.optimizations.keep_activation_memory:
             self.keep_activation_memory()  # budgeted with the pool: no cudaMalloc in the first run
 
@@ -268,6 +272,7 @@ def _free(self: ModelRunner) -> None:
         layer.k_cache = layer.v_cache = torch.tensor([])
         layer.k_scale = layer.v_scale = layer.backend = None
     self.attention_layers = []
+    self.prompt_graphs = None
     self.kv_cache = self.kv_scales = self.graphs = self.model = self.sampler = self.backend = None
     self.last_sample = ([], None)  # its tensors too
     self.step.reset()
@@ -497,6 +502,10 @@ def _forward(
     elif taken is not None:
         input_ids = taken
     batch = self.prepare_sample(seqs)
+    pieces = self.prompt_graphs
+    if is_prefill and pieces is not None and len(input_ids) <= pieces.max_tokens:
+        # section 11.5: graphs between the attention calls, which run eagerly
+        return pieces.replay(input_ids, positions, self.step.current.slot_mapping), batch
     return self.model(input_ids, positions), batch  # [num_tokens, hidden]
 
 
@@ -648,6 +657,18 @@ def _capture_graphs(self: ModelRunner) -> CUDAGraphDecoder:
         self.model, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
         block_size=self.block_size, hidden_size=cfg.hf_config.hidden_size,
         dtype=self.dtype, device=self.device, step_context=self.step,
+    )
+
+
+@patch
+def _capture_prompt_graphs(self: ModelRunner) -> PromptGraphs:
+    """Prompt and mixed steps up to PROMPT_GRAPH_MAX_TOKENS tokens as graphs cut at attention
+    (section 11.5); larger steps run eagerly."""
+    cfg = self.config
+    return PromptGraphs(
+        self.model, max_tokens=min(PROMPT_GRAPH_MAX_TOKENS, cfg.max_num_batched_tokens),
+        hidden_size=cfg.hf_config.hidden_size, dtype=self.dtype, device=self.device,
+        step_context=self.step,
     )
 
 

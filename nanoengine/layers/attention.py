@@ -51,11 +51,14 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = None  # a float8 cache's per-row scales (chapter 07a)
         self.backend = None
         self.step_context = DEFAULT_STEP  # the model runner binds its own (section 04.1)
+        self.graph_break = None  # set while prompt graphs are captured (section 11.5)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False
     ) -> torch.Tensor:
         """q [N, Hq, D], k and v [N, Hk, D] -> [N, Hq, D]; kv_stored: already in the paged cache."""
+        if self.graph_break is not None:  # a capture ends here; attention runs between graphs
+            return self.graph_break(self, q, k, v, kv_stored)
         context = self.step_context.current
         if self.backend is not None:
             scales = None if self.k_scale is None else (self.k_scale, self.v_scale)
