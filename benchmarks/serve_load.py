@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab-size", type=int, default=10_000, help="prompt token ids are drawn below this")
     p.add_argument("--server-args", default="--max-model-len 4096",
                    help="extra flags for python -m nanoengine.serve")
+    p.add_argument("--seeds", default=None, metavar="S,S,...",
+                   help="one arrival seed per rate (default: each rate's place in the sweep, 0, 1, 2, ...)")
     p.add_argument("--client-workers", type=int, default=1, metavar="N",
                    help="client processes that share the arrivals (each point records how busy the busiest "
                         "was: past nanoengine.serving.load.CLIENT_BUSY_LIMIT it times itself, section 15.3 §4)")
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
     rates = [float(r) for r in args.rates.split(",")]
     if not all(r > 0 for r in rates):
         p.error(f"--rates must be positive numbers, got {args.rates}")
+    seeds = list(range(len(rates))) if args.seeds is None else [int(s) for s in args.seeds.split(",")]
+    if len(seeds) != len(rates):
+        p.error(f"--seeds needs one seed per rate: {len(rates)} rates, {len(seeds)} seeds")
     if args.client_workers < 1:
         p.error(f"--client-workers must be at least 1, got {args.client_workers}")
     model = Path(args.model) if args.model else ensure_checkpoint(args.preset)
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
             n = int(min(args.max_requests, max(args.min_requests, rate * args.seconds)))
             before = first_token_sums(url)
             point = asyncio.run(run_rate(url, "bench", rate, n, args.prompt_len, args.max_tokens,
-                                         args.vocab_size, seed=i, num_workers=args.client_workers))
+                                         args.vocab_size, seed=seeds[i], num_workers=args.client_workers))
             point["server_first_token"] = server_means(before, first_token_sums(url))
             points.append(point)
             print(report(point), flush=True)  # failed requests counted, the sweep goes on
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
               "workload": {"prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                            "arrivals": "Poisson (open loop)", "seconds_per_rate": args.seconds,
                            "client": "httpx on the same machine, streamed, ignore_eos",
-                           "client_processes": args.client_workers},
+                           "client_processes": args.client_workers, "seeds": seeds[:len(points)]},
               "engine": "a thread of the server's process" if args.engine_in_thread
               else "a process of its own",
               "points": points, "saturation_rate": saturation_rate(points), "final_stats": stats}
