@@ -24,13 +24,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
-def bucket_for(buckets: list[int], n: int) -> int:
-    """The smallest captured batch size that holds n sequences."""
+def bucket_for(
+    buckets: list[int], n: int, what: str = "a decode batch of {n} sequences"
+) -> int:
+    """The smallest captured size that holds n; `what` names n in the error."""
     i = bisect.bisect_left(buckets, n)
     if n < 1 or i == len(buckets):
-        raise ValueError(
-            f"a decode batch of {n} sequences does not fit the captured sizes 1..{buckets[-1]}"
-        )
+        raise ValueError(f"{what.format(n=n)} does not fit the captured sizes 1..{buckets[-1]}")
     return buckets[i]
 
 # %% ../../notebooks/11_cuda_graphs.ipynb #7f6ecfe0

@@ -4,11 +4,10 @@
 __all__ = ['PROMPT_GRAPH_MAX_TOKENS', 'prompt_buckets', 'prompt_bucket', 'PromptGraphs']
 
 # %% ../../notebooks/11e_prompt_graphs.ipynb #pg0ade7c
-import bisect
-
 import torch
 from fastcore.basics import patch
 
+from .cuda_graphs import bucket_for
 from ..layers.attention import Attention
 from ..utils.checks import check_int
 from ..utils.context import DEFAULT_STEP, StepContext
@@ -28,14 +27,8 @@ def prompt_buckets(max_tokens: int) -> list[int]:
 
 
 def prompt_bucket(buckets: list[int], num_tokens: int) -> int:
-    """The smallest captured token count that holds num_tokens."""
-    i = bisect.bisect_left(buckets, num_tokens)
-    if num_tokens < 1 or i == len(buckets):
-        raise ValueError(
-            f"a prompt step of {num_tokens} tokens does not fit the captured sizes "
-            f"1..{buckets[-1]}"
-        )
-    return buckets[i]
+    """The smallest captured token count that holds num_tokens (chapter 11's lookup)."""
+    return bucket_for(buckets, num_tokens, "a prompt step of {n} tokens")
 
 # %% ../../notebooks/11e_prompt_graphs.ipynb #pgf1abd6
 class PromptGraphs:
