@@ -77,21 +77,11 @@ def gpu_ms(runner, seqs, reps: int = 5) -> float:
     return sum(e.device_time for e in kernels) / 1000 / reps
 
 
-def logits_of(runner, seqs) -> torch.Tensor:
-    """The last-token logits of one prompt step: [num_seqs, vocab] float32."""
-    with torch.inference_mode():
-        try:
-            hidden, _ = runner._forward(seqs, True, None)
-            return runner.model.compute_logits(hidden).float()
-        finally:
-            runner.step.reset()
-
-
 def compare(runner, seqs) -> dict:
     """Eager against pieces on the same step: the largest logit difference and whether each argmax agrees."""
     with pieces_off(runner):
-        eager = logits_of(runner, seqs)
-    pieces = logits_of(runner, seqs)
+        eager = runner.logits(seqs, True)
+    pieces = runner.logits(seqs, True)
     return {"max_abs_diff": (eager - pieces).abs().max().item(),
             "argmax_equal": (eager.argmax(-1) == pieces.argmax(-1)).all().item(),
             "logit_scale": eager.abs().max().item()}

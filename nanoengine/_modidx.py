@@ -256,6 +256,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                    'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner.ModelRunner.launch': ( 'model_runner.html#modelrunner.launch',
                                                                                                        'nanoengine/engine/model_runner.py'),
+                                                'nanoengine.engine.model_runner.ModelRunner.logits': ( 'model_runner.html#modelrunner.logits',
+                                                                                                       'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner.ModelRunner.pack_decode': ( 'model_runner.html#modelrunner.pack_decode',
                                                                                                             'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner.ModelRunner.prepare_decode': ( 'model_runner.html#modelrunner.prepare_decode',

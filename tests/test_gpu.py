@@ -667,16 +667,6 @@ def logprob_errors_against_float32(path, asked, device: str = "cuda") -> tuple[f
     return ours, theirs
 
 
-def _prompt_step_logits(runner, seqs) -> torch.Tensor:
-    """The last-token logits of one prompt step through the runner's _forward: [num_seqs, vocab] float32."""
-    with torch.inference_mode():
-        try:
-            hidden, _ = runner._forward(seqs, True, None)
-            return runner.model.compute_logits(hidden).float()
-        finally:
-            runner.step.reset()
-
-
 def test_prompt_graphs_compute_prompt_and_mixed_steps_as_the_eager_model_does(ckpt, monkeypatch):
     """Section 11.5: fresh prompts, and decode rows beside a chunk over a cached prefix, through the pieces and
     eagerly: the same argmax and logits within bf16 rounding; a step past the largest bucket runs eagerly."""
@@ -701,14 +691,14 @@ def test_prompt_graphs_compute_prompt_and_mixed_steps_as_the_eager_model_does(ck
     replay = pieces.replay
     monkeypatch.setattr(pieces, "replay", lambda *a: replays.append(len(a[0])) or replay(*a))
     for s in steps:
-        graphed = _prompt_step_logits(runner, s)
+        graphed = runner.logits(s, True)
         runner.prompt_graphs = None
-        eager = _prompt_step_logits(runner, s)
+        eager = runner.logits(s, True)
         runner.prompt_graphs = pieces
         assert torch.equal(graphed.argmax(-1), eager.argmax(-1))
         assert (graphed - eager).abs().max().item() <= 0.05 * eager.abs().max().item()
     assert replays == [515, 190]
-    _prompt_step_logits(runner, [seq(800, [10, 11, 12, 13])])  # past 768 tokens: the eager model
+    runner.logits([seq(800, [10, 11, 12, 13])], True)  # past 768 tokens: the eager model
     assert replays == [515, 190]
     llm.close()
     plain = LLM(ckpt, kvcache_block_size=256, num_kvcache_blocks=4, max_model_len=1024,

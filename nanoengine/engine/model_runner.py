@@ -689,3 +689,18 @@ def graphs_off(self: ModelRunner) -> Iterator[None]:
     finally:
         self.graphs = graphs
 
+
+# %% ../../notebooks/09_model_runner.ipynb #lg09a002
+@patch
+@torch.inference_mode()
+def logits(self: ModelRunner, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+    """One step's logits without sampling: [num_seqs, vocab] float32."""
+    if self.world_size > 1:
+        raise ValueError("logits runs one process's step; with tensor_parallel_size > 1 use run")
+    self._check_launch(seqs, is_prefill, None, None)
+    try:
+        hidden, _ = self._forward(seqs, is_prefill, None)  # [num_seqs or tokens, hidden]
+        return self.model.compute_logits(hidden).float()  # [num_seqs, vocab]
+    finally:
+        self.step.reset()
+
