@@ -699,8 +699,9 @@ def logits(self: ModelRunner, seqs: list[Sequence], is_prefill: bool) -> torch.T
         raise ValueError("logits runs one process's step; with tensor_parallel_size > 1 use run")
     self._check_launch(seqs, is_prefill, None, None)
     try:
-        hidden, _ = self._forward(seqs, is_prefill, None)  # [num_seqs or tokens, hidden]
-        return self.model.compute_logits(hidden).float()  # [num_seqs, vocab]
+        with compile_stance(self.config.optimizations.torch_compile):  # as `_step` runs it
+            hidden, _ = self._forward(seqs, is_prefill, None)  # [num_seqs or tokens, hidden]
+            return self.model.compute_logits(hidden).float()  # [num_seqs, vocab]
     finally:
         self.step.reset()
 
