@@ -11,7 +11,8 @@ Run it on a machine with a CUDA GPU (and flash-attn, to cover the FlashAttention
 The serve part runs benchmarks/serve_load.py (a fresh `python -m nanoengine.serve` on the benchmark model) at a few
 offered rates for a few seconds each, with serve_h200.json's workload, and fails when a rate's ITL p50 or TTFT p50 is
 more than SERVE_TOLERANCE times the committed sweep's at the same rate, or when a request fails at a rate at or below
-the committed saturation rate. It takes about a minute, most of it the server's start.
+the committed saturation rate. The committed sweep is the newest whole one in serve_h200.json measured on a GPU of the
+same name (serve_reference), its top level where there is none. It takes about a minute, most of it the server's start.
 
 nbval skips the `# NBVAL_SKIP` cells that hold the GPU paths, so the notebooks run through nbclient here, every
 cell included, each notebook in a fresh kernel with a time limit. `--executed DIR` keeps the executed notebooks;
@@ -204,7 +205,7 @@ SERVE_SECONDS = 4.0  # arrivals per rate: 64 and 256 requests, so the part takes
 # How many times the committed ITL p50 or TTFT p50 a rate's fresh figure may be before the part fails. Runs vary:
 # serve_load.py seeds each rate's Poisson arrivals by its place in the sweep, so this short sweep draws other
 # arrivals than the committed one at the same rate; its window is shorter; and the committed points are one run on
-# one H200 machine, whose host (CPU, installed server stack) another machine does not share. A regression like the
+# one machine, whose host (CPU, installed server stack) another machine with the same GPU does not share. A regression like the
 # one issue 42 was opened for (ITL p50 at 32 requests/s more than threefold, serve_h200.json's regression_bisect)
 # stays well outside it.
 SERVE_TOLERANCE = 1.5
@@ -241,6 +242,24 @@ def compare_serve(points: list[dict], reference: dict, rates: list[float], toler
                             f"{f' ({why})' if why else ''}, at or below the committed saturation rate "
                             f"{'(none)' if saturation is None else f'{saturation:g}/s'}")
     return problems
+
+
+def serve_reference(data: dict, gpu: str) -> tuple[str | None, dict]:
+    """The committed sweep a fresh one on `gpu` is compared with: of serve_h200.json's whole sweeps (its top level,
+    and each top-level entry that serve_load.py wrote whole: points, workload and provenance), the newest measured on
+    a GPU of that name, by its provenance's date; the top level where none was. Returns (entry name or None for the
+    top level, the sweep)."""
+    sweeps = [(None, data)] + [(name, entry) for name, entry in data.items() if isinstance(entry, dict)
+                               and {"points", "workload", "provenance"} <= entry.keys()]
+    same = [(name, sweep) for name, sweep in sweeps if sweep["provenance"].get("gpu") == gpu]
+    return max(same, key=lambda item: item[1]["provenance"].get("date", "")) if same else (None, data)
+
+
+def client_workers_args(reference: dict, extra: list[str]) -> list[str]:
+    """`--client-workers N` as the reference sweep's client ran (section 15.3 §4: one busy client process times
+    itself), unless the caller's own serve_load.py flags say how many."""
+    workers = reference["workload"].get("client_processes", 1)
+    return [] if workers == 1 or "--client-workers" in extra else ["--client-workers", str(workers)]
 
 
 def client_warnings(points: list[dict]) -> list[str]:
@@ -289,9 +308,14 @@ def run_serve(rates: list[float], seconds: float, tolerance: float, timeout: flo
               extra: list[str] = ()) -> dict:
     """The serve part: a short sweep on the GPU, compared with serve_h200.json rate by rate."""
     import torch
-    reference = json.loads(SERVE_REFERENCE.read_text())
+    if not torch.cuda.is_available():
+        return {"rates": list(rates), "seconds_per_rate": seconds, "tolerance": tolerance, "ok": False,
+                "error": "no CUDA GPU: the serve part compares with a GPU's committed sweep"}
+    entry, reference = serve_reference(json.loads(SERVE_REFERENCE.read_text()), torch.cuda.get_device_name())
+    extra = [*extra, *client_workers_args(reference, list(extra))]
     section = {"rates": list(rates), "seconds_per_rate": seconds, "tolerance": tolerance,
-               "reference": {"file": SERVE_REFERENCE.relative_to(ROOT).as_posix(),
+               "reference": {"file": SERVE_REFERENCE.relative_to(ROOT).as_posix(), "entry": entry,
+                             "gpu": reference["provenance"].get("gpu"),
                              "commit": reference["provenance"].get("commit"),
                              "saturation_rate": reference.get("saturation_rate")},
                "workload": {k: reference["workload"][k] for k in ("prompt_len", "max_tokens")},
@@ -299,8 +323,6 @@ def run_serve(rates: list[float], seconds: float, tolerance: float, timeout: flo
                "server_log": str(out.with_suffix(".server.log"))}
     if extra:
         section["serve_load_args"] = list(extra)
-    if not torch.cuda.is_available():
-        return section | {"ok": False, "error": "no CUDA GPU: the serve part compares with H200 figures"}
     t0 = time.perf_counter()
     try:
         sweep = serve_sweep(rates, seconds, out, timeout, extra)
@@ -488,8 +510,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.part == "serve":
         import torch
         if not torch.cuda.is_available():
-            raise SystemExit("--part serve needs a CUDA GPU: it compares a sweep with the H200 figures of "
-                             "benchmarks/serve_h200.json (nothing was run or written)")
+            raise SystemExit("--part serve needs a CUDA GPU: it compares a sweep with a GPU's committed figures "
+                             "in benchmarks/serve_h200.json (nothing was run or written)")
     summary = {"provenance": provenance()}
     if args.out.exists():
         previous = json.loads(args.out.read_text())

@@ -133,6 +133,23 @@ def test_the_merged_summary_holds_the_serve_section_and_its_ok_counts(tmp_path):
     assert summary["ok"]  # the later run counts
 
 
+def test_the_reference_is_the_newest_whole_sweep_on_the_same_gpu():
+    def sweep(gpu: str, date: str, workers: int = 1) -> dict:
+        return {"provenance": {"gpu": gpu, "date": date}, "workload": {"client_processes": workers},
+                "points": REFERENCE["points"], "saturation_rate": 128.0}
+    data = {**sweep("NVIDIA H200", "2026-12-04"), "h100_old": sweep("NVIDIA H100", "2026-12-05"),
+            "h100_new": sweep("NVIDIA H100", "2026-12-06", workers=4),
+            "h200_part": {"provenance": {"gpu": "NVIDIA H200", "date": "2026-12-07"}, "points": []},
+            "note": "text"}
+    assert gpu_check.serve_reference(data, "NVIDIA H100")[0] == "h100_new"
+    name, reference = gpu_check.serve_reference(data, "NVIDIA H200")  # an entry without a workload: not whole
+    assert name is None and reference is data
+    assert gpu_check.serve_reference(data, "NVIDIA B200") == (None, data)  # no sweep of that GPU: the top level
+    assert gpu_check.client_workers_args(data["h100_new"], []) == ["--client-workers", "4"]
+    assert gpu_check.client_workers_args(data["h100_new"], ["--client-workers", "2"]) == []
+    assert gpu_check.client_workers_args(data, []) == []
+
+
 def test_a_busy_client_is_named_with_its_rate():
     points = [point(16.0, 0.03, 0.002) | {"client_busy": 0.3}, point(64.0, 0.07, 0.004) | {"client_busy": 0.91},
               point(128.0, 0.2, 0.008)]  # a point from before client_busy was kept: no warning
