@@ -12,7 +12,8 @@ The serve part runs benchmarks/serve_load.py (a fresh `python -m nanoengine.serv
 offered rates for a few seconds each, with serve_h200.json's workload, and fails when a rate's ITL p50 or TTFT p50 is
 more than SERVE_TOLERANCE times the committed sweep's at the same rate, or when a request fails at a rate at or below
 the committed saturation rate. The committed sweep is the newest whole one in serve_h200.json measured on a GPU of the
-same name (serve_reference), its top level where there is none. It takes about a minute, most of it the server's start.
+same name (serve_reference), its top level where there is none; the fresh sweep uses as many client processes. It
+takes about a minute, most of it the server's start.
 
 nbval skips the `# NBVAL_SKIP` cells that hold the GPU paths, so the notebooks run through nbclient here, every
 cell included, each notebook in a fresh kernel with a time limit. `--executed DIR` keeps the executed notebooks;
@@ -205,9 +206,9 @@ SERVE_SECONDS = 4.0  # arrivals per rate: 64 and 256 requests, so the part takes
 # How many times the committed ITL p50 or TTFT p50 a rate's fresh figure may be before the part fails. Runs vary:
 # serve_load.py seeds each rate's Poisson arrivals by its place in the sweep, so this short sweep draws other
 # arrivals than the committed one at the same rate; its window is shorter; and the committed points are one run on
-# one machine, whose host (CPU, installed server stack) another machine with the same GPU does not share. A regression like the
-# one issue 42 was opened for (ITL p50 at 32 requests/s more than threefold, serve_h200.json's regression_bisect)
-# stays well outside it.
+# one machine, whose host (CPU, installed server stack) another machine with the same GPU does not share. A
+# regression like the one issue 42 was opened for (ITL p50 at 32 requests/s more than threefold, serve_h200.json's
+# regression_bisect) stays well outside it.
 SERVE_TOLERANCE = 1.5
 SERVE_METRICS = (("itl_p50", "ITL p50"), ("ttft_p50", "TTFT p50"))
 
