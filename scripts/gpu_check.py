@@ -260,7 +260,8 @@ def client_workers_args(reference: dict, extra: list[str]) -> list[str]:
     """`--client-workers N` as the reference sweep's client ran (section 15.3 §4: one busy client process times
     itself), unless the caller's own serve_load.py flags say how many."""
     workers = reference["workload"].get("client_processes", 1)
-    return [] if workers == 1 or "--client-workers" in extra else ["--client-workers", str(workers)]
+    given = any(arg == "--client-workers" or arg.startswith("--client-workers=") for arg in extra)
+    return [] if workers == 1 or given else ["--client-workers", str(workers)]
 
 
 def client_warnings(points: list[dict]) -> list[str]:

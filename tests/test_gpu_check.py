@@ -147,6 +147,7 @@ def test_the_reference_is_the_newest_whole_sweep_on_the_same_gpu():
     assert gpu_check.serve_reference(data, "NVIDIA B200") == (None, data)  # no sweep of that GPU: the top level
     assert gpu_check.client_workers_args(data["h100_new"], []) == ["--client-workers", "4"]
     assert gpu_check.client_workers_args(data["h100_new"], ["--client-workers", "2"]) == []
+    assert gpu_check.client_workers_args(data["h100_new"], ["--client-workers=2"]) == []
     assert gpu_check.client_workers_args(data, []) == []
 
 
