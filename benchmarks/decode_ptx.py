@@ -43,9 +43,11 @@ KINDS = {
 # One Hopper SM (H100 and H200 alike): what its resident programs share
 SM90 = {"registers": 65_536, "shared_memory_bytes": 228 * 1024, "max_warps": 64, "max_programs": 32}
 WARPS = 4
-# (float8, keys per tile, pipeline stages): paged_decode's own for an unsplit step, and the float8 kernel at bfloat16's
-LAUNCHES = {"auto": (False, *decode_launch(False, False)), "fp8": (True, *decode_launch(True, False)),
-            "fp8_at_bfloat16_setting": (True, *decode_launch(False, False))}
+# (float8, keys per tile, pipeline stages, V transposed): paged_decode's own for an unsplit step over the engine's
+# pools; the float8 kernel over V stored row by row, at its own launch settings and at bfloat16's
+LAUNCHES = {"auto": (False, *decode_launch(False, False), False), "fp8": (True, *decode_launch(True, False), True),
+            "fp8_v_row_by_row": (True, *decode_launch(True, False), False),
+            "fp8_at_bfloat16_setting": (True, *decode_launch(False, False), False)}
 
 
 def resources(cubin: bytes) -> dict[str, int]:
@@ -70,21 +72,24 @@ def programs_per_sm(registers: int, shared_bytes: int, warps: int = WARPS) -> di
     return {"programs": min(limits.values()), **limits}
 
 
-def compile_decode(fp8: bool, block_n: int, stages: int) -> dict:
+def compile_decode(fp8: bool, block_n: int, stages: int, v_transposed: bool) -> dict:
     """The decode kernel compiled for sm_90: its instruction counts, registers and shared memory."""
     kv = "*fp8e4nv" if fp8 else "*bf16"
     signature = {
         "q_ptr": "*bf16", "k_ptr": kv, "v_ptr": kv, "ks_ptr": "*fp32" if fp8 else kv,
         "vs_ptr": "*fp32" if fp8 else kv, "tables_ptr": "*i32", "lens_ptr": "*i32", "order_ptr": "*i32",
         "o_ptr": "*bf16", "part_ptr": "*fp32", "stats_ptr": "*fp32", "scale": "fp32", "stride_qb": "i32",
-        "stride_qh": "i32", "stride_block": "i32", "stride_key": "i32", "stride_tb": "i32", "stride_ob": "i32",
-        "stride_oh": "i32",
+        "stride_qh": "i32", "stride_block": "i32", "stride_key": "i32", "stride_vb": "i32", "stride_vk": "i32",
+        "stride_vh": "i32", "stride_vd": "i32", "stride_tb": "i32", "stride_ob": "i32", "stride_oh": "i32",
     }
+    # V's stride 1 (Triton passes an integer 1 as a constant): along the keys when V lies transposed
+    # within each block (fp8_value_layout, the engine's float8 pool), along the dims row by row
     constants = dict(PARTITION=512, BLOCK_SIZE=256, GROUP=2, GROUP_PAD=16, D=128, BLOCK_N=block_n,
-                     SPLIT=False, ORDERED=True, PDL=False, INTERPRET=False, FP8=fp8)
+                     SPLIT=False, ORDERED=True, PDL=False, INTERPRET=False, FP8=fp8,
+                     **({"stride_vk": 1} if v_transposed else {"stride_vd": 1}))
     signature |= {name: "constexpr" for name in constants}
     names = list(signature)
-    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
+    aligned = [n for n in names if (n.endswith("_ptr") or n.startswith("stride")) and n not in constants]
     source = ASTSource(_decode_kernel, signature,
                        constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
@@ -95,7 +100,7 @@ def compile_decode(fp8: bool, block_n: int, stages: int) -> dict:
     other = collections.Counter(re.findall(r"\b(ld\.shared[.a-z0-9]*)", ptx))
     used = resources(kernel.asm["cubin"])
     shared = kernel.metadata.shared + used["static_shared_bytes"]
-    return {"keys_per_tile": block_n, "stages": stages, "counts": counts,
+    return {"keys_per_tile": block_n, "stages": stages, "v_transposed": v_transposed, "counts": counts,
             "shared_loads": dict(sorted(other.items())), "shared_memory_bytes": kernel.metadata.shared,
             **used, "per_sm": programs_per_sm(used["registers_per_thread"], shared)}
 

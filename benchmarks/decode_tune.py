@@ -5,6 +5,7 @@ combine kernel).
 
     python benchmarks/decode_tune.py OUT.json          (needs a CUDA GPU)
     python benchmarks/decode_tune.py OUT.json --fp8    (the same over float8 caches with their scales, 13.1)
+    python benchmarks/decode_tune.py OUT.json --fp8 --v-rows   (... with V stored row by row, not transposed)
 
 Each setting is checked against the engine's own (`paged_decode`) before it is timed, and the results are written
 after every setting, so a run cut short keeps what it measured. The engine's setting is timed first."""
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, graph_us, scattered_step  # noqa: E402
 
 from nanoengine.bench import provenance  # noqa: E402
-from nanoengine.kernels.kv_fp8 import quantize_kv  # noqa: E402
+from nanoengine.kernels.kv_fp8 import fp8_value_layout, quantize_kv  # noqa: E402
 from nanoengine.kernels.paged_decode import (  # noqa: E402
     _combine_kernel, _decode_kernel, decode_launch, decode_partition, paged_decode, pdl_capable,
 )
@@ -45,7 +46,8 @@ def launch(q, kc, vc, ks, vs, tables, lens, out, part, stats, partition, num_par
     pdl, ordered = pdl_capable(q.device), order is not None and num_parts == 1
     _decode_kernel[(KV_HEADS, q.shape[0], num_parts)](
         q, kc, vc, ks, vs, tables, lens, order if ordered else lens, out, part, stats, HEAD_DIM**-0.5, q.stride(0),
-        q.stride(1), kc.stride(0), kc.stride(1), tables.stride(0), out.stride(0), out.stride(1), PARTITION=partition,
+        q.stride(1), kc.stride(0), kc.stride(1), *vc.stride(), tables.stride(0), out.stride(0), out.stride(1),
+        PARTITION=partition,
         BLOCK_SIZE=BLOCK, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, D=HEAD_DIM, BLOCK_N=block_n, SPLIT=num_parts > 1,
         ORDERED=ordered, PDL=pdl,
         INTERPRET=False, FP8=kc.dtype == torch.float8_e4m3fn, launch_pdl=pdl, num_warps=warps, num_stages=stages,
@@ -57,17 +59,21 @@ def launch(q, kc, vc, ks, vs, tables, lens, out, part, stats, partition, num_par
         )
 
 
-def float8_pools(pools: list) -> list:
-    """Each layer's (K, V) caches quantized as the engine stores them: (K, V, K scales, V scales)."""
-    return [(kq, vq, ks, vs) for (kq, ks), (vq, vs) in ((quantize_kv(k), quantize_kv(v)) for k, v in pools)]
+def float8_pools(pools: list, v_transposed: bool = True) -> list:
+    """Each layer's (K, V) caches quantized as the engine stores them, V transposed within each block
+    (`fp8_value_layout`; row by row with v_transposed=False): (K, V, K scales, V scales)."""
+    layout = fp8_value_layout if v_transposed else (lambda v: v)
+    return [(kq, layout(vq), ks, vs) for (kq, ks), (vq, vs) in ((quantize_kv(k), quantize_kv(v)) for k, v in pools)]
 
 
-def main(path: str, fp8: bool = False) -> dict:
+def main(path: str, fp8: bool = False, v_rows: bool = False) -> dict:
     results = {"provenance": provenance(), "what": __doc__.split("\n\n")[0], "fp8": fp8, "cases": {}}
+    if fp8:
+        results["v_layout"] = "row by row" if v_rows else "transposed within each block (the engine's)"
     for name, lens in CASES.items():
         width = math.ceil(4096 / BLOCK)  # the graph's width at max_model_len 4096
         pools, tables, ctx = scattered_step(lens, width)
-        pools = float8_pools(pools) if fp8 else [(k, v, k, v) for k, v in pools]
+        pools = float8_pools(pools, not v_rows) if fp8 else [(k, v, k, v) for k, v in pools]
         q = torch.randn(len(lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         engine_partition = decode_partition(len(lens), KV_HEADS, width * BLOCK)
         split = engine_partition < width * BLOCK
@@ -98,4 +104,4 @@ def main(path: str, fp8: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], fp8="--fp8" in sys.argv[2:])
+    main(sys.argv[1], fp8="--fp8" in sys.argv[2:], v_rows="--v-rows" in sys.argv[2:])

@@ -395,6 +395,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                           'nanoengine/kernels/kv_fp8.py'),
                                            'nanoengine.kernels.kv_fp8.dequantize_kv': ( 'fp8_kv.html#dequantize_kv',
                                                                                         'nanoengine/kernels/kv_fp8.py'),
+                                           'nanoengine.kernels.kv_fp8.fp8_value_layout': ( 'fp8_kv.html#fp8_value_layout',
+                                                                                           'nanoengine/kernels/kv_fp8.py'),
                                            'nanoengine.kernels.kv_fp8.quantize_kv': ( 'fp8_kv.html#quantize_kv',
                                                                                       'nanoengine/kernels/kv_fp8.py'),
                                            'nanoengine.kernels.kv_fp8.read_kv_rows': ( 'fp8_kv.html#read_kv_rows',

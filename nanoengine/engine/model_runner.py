@@ -25,6 +25,7 @@ from .cuda_graphs import CUDAGraphDecoder
 from .prompt_graphs import PROMPT_GRAPH_MAX_TOKENS, PromptGraphs
 from .sequence import Sequence, TokenLogprobs
 from ..kernels.fused import tune_kernels
+from ..kernels.kv_fp8 import fp8_value_layout
 from ..layers.attention import Attention
 from ..layers.paged_attention import AttentionBackend, select_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch, SamplingExtras, compute_logprobs
@@ -206,7 +207,8 @@ def allocate_kv_cache(self: ModelRunner) -> int:
         layer.k_cache, layer.v_cache, layer.backend = (
             self.kv_cache[0, i], self.kv_cache[1, i], self.backend,
         )
-        if self.kv_scales is not None:
+        if self.kv_scales is not None:  # V's bytes transposed within each block (07a)
+            layer.v_cache = fp8_value_layout(layer.v_cache)
             layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
     return num_blocks
 

@@ -37,7 +37,8 @@ def check_kv_layout(
     slot_mapping: torch.Tensor, *, quantized: bool = False,
 ) -> None:
     """Raise ValueError unless the tensors have the layout the store expects; `quantized`: the
-    caches hold float8 rows, each beside its scale (chapter 07a), so their dtype is the store's."""
+    caches hold float8 rows, each beside its scale, their dtype is the store's, and V may lie
+    transposed within each block (chapter 07a)."""
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(
             f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
@@ -53,8 +54,12 @@ def check_kv_layout(
             f"k_cache and v_cache must be [num_blocks, block_size, {num_heads}, {head_dim}], got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    v_transposed = quantized and v_cache.permute(0, 2, 3, 1).is_contiguous()
+    if not (k_cache.is_contiguous() and (v_cache.is_contiguous() or v_transposed)):
+        raise ValueError(
+            "k_cache and v_cache must be contiguous"
+            + (" (v_cache may also lie transposed within each block)" if quantized else "")
+        )
     for name, t in (("key", key), ("value", value)):
         if t.stride(2) != 1 or t.stride(1) != head_dim:
             raise ValueError(

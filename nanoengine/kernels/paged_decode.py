@@ -25,8 +25,8 @@ if triton is not None:
     @triton.jit
     def _attend_tile(
         q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, kv_head, t0, end, scale,
-        stride_block, stride_key, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
-        BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+        stride_block, stride_key, stride_vb, stride_vk, stride_vh, stride_vd,
+        BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
     ):
         """Keys t0 .. t0 + BLOCK_N - 1 (those before `end`): the online-softmax update."""
         block = tl.load(table_ptr + t0 // BLOCK_SIZE).to(tl.int64)  # tiles never cross blocks
@@ -34,7 +34,15 @@ if triton is not None:
         rows = block * stride_block + (pos % BLOCK_SIZE) * stride_key + kv_head * D
         valid = pos < end
         k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if FP8:  # V where its strides say: 07a lays it out with a block's keys side by side
+            slot0 = tl.multiple_of(t0 % BLOCK_SIZE, BLOCK_N)  # tiles start at multiples of BLOCK_N
+            v_rows = (block * stride_vb + (slot0 + tl.arange(0, BLOCK_N)) * stride_vk
+                      + kv_head * stride_vh)
+            # unmasked: the tile lies in one block, and a mask that changes along the keys would
+            # keep the loads narrow. Slots past `end` get weight 0, and 07a stores no NaN bytes
+            v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * stride_vd)  # [BLOCK_N, D]
+        else:
+            v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         if FP8:  # float8 rows: float16 holds every e4m3 value, the scales come after the dot
             scale_rows = rows // D  # a row's scale sits at (slot * HK + head), its row / D
             k_scale = tl.load(ks_ptr + scale_rows, mask=valid, other=0.0)  # [BLOCK_N]
@@ -62,8 +70,8 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, order_ptr, o_ptr, part_ptr,
-        stats_ptr, scale, stride_qb, stride_qh, stride_block, stride_key, stride_tb, stride_ob,
-        stride_oh, PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+        stats_ptr, scale, stride_qb, stride_qh, stride_block, stride_key, stride_vb, stride_vk,
+        stride_vh, stride_vd, stride_tb, stride_ob, stride_oh, PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
         ORDERED: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
     ):
@@ -97,14 +105,16 @@ if triton is not None:
             while t0 < end:
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, t0, end,
-                    scale, stride_block, stride_key, BLOCK_SIZE, D, BLOCK_N, FP8,
+                    scale, stride_block, stride_key, stride_vb, stride_vk, stride_vh, stride_vd,
+                    BLOCK_SIZE, D, BLOCK_N, FP8,
                 )
                 t0 += BLOCK_N
         else:
             for t0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, t0, end,
-                    scale, stride_block, stride_key, BLOCK_SIZE, D, BLOCK_N, FP8,
+                    scale, stride_block, stride_key, stride_vb, stride_vk, stride_vh, stride_vd,
+                    BLOCK_SIZE, D, BLOCK_N, FP8,
                 )
         if PDL:  # only now: a kernel launched earlier would take room from this one's programs
             tl.extra.cuda.gdc_launch_dependents()
@@ -197,10 +207,16 @@ def paged_decode(
 
     q [B, Hq, D], caches [num_blocks, block_size, Hk, D], block_tables [B, W] -> [B, Hq, D].
     `order`, a permutation of the B rows, is the order in which an unsplit step starts them.
-    `kv_scales`: float8 caches' per-row scales [num_blocks, block_size, Hk] (chapter 07a)."""
-    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_decode needs q's rows and both caches contiguous in memory")
+    `kv_scales`: float8 caches' per-row scales [num_blocks, block_size, Hk] (chapter 07a), whose
+    v_cache may lie transposed within each block (`fp8_value_layout`)."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
+    v_transposed = fp8 and v_cache.permute(0, 2, 3, 1).is_contiguous()
+    if q.stride(-1) != 1 or not (k_cache.is_contiguous() and
+                                 (v_cache.is_contiguous() or v_transposed)):
+        raise ValueError(
+            "paged_decode needs q's rows and both caches contiguous in memory (a float8 v_cache "
+            "may also lie transposed within each block)"
+        )
     if fp8 != (kv_scales is not None) or (fp8 and any(
         s.shape != k_cache.shape[:3] or s.dtype != torch.float32 or not s.is_contiguous()
         for s in kv_scales
@@ -238,8 +254,8 @@ def paged_decode(
     _decode_kernel[(num_kv_heads, num_seqs, num_parts)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
         order if ordered else context_lens, out, part, stats, scale, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), PARTITION=partition,
+        k_cache.stride(0), k_cache.stride(1), *v_cache.stride(), block_tables.stride(0),
+        out.stride(0), out.stride(1), PARTITION=partition,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=head_dim, BLOCK_N=math.gcd(block_n, block_size), SPLIT=num_parts > 1,
         ORDERED=ordered, PDL=pdl, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", FP8=fp8,

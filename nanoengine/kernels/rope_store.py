@@ -46,9 +46,10 @@ if triton is not None:
     @triton.jit
     def _qk_rope_store_kernel(
         qkv_ptr, pos_ptr, slot_ptr, qw_ptr, kw_ptr, cs_ptr, q_ptr, k_ptr, k_cache_ptr,
-        v_cache_ptr, ks_ptr, vs_ptr, eps, stride_qkv, stride_cs, HQ: tl.constexpr,
-        HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, D: tl.constexpr,
-        PDL: tl.constexpr, FP8: tl.constexpr, INTERPRET: tl.constexpr,
+        v_cache_ptr, ks_ptr, vs_ptr, eps, stride_qkv, stride_cs, block_size, stride_vb, stride_vs,
+        stride_vh, stride_vd, HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr,
+        HK_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr,
+        INTERPRET: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         half = tl.arange(0, D // 2)
@@ -87,8 +88,9 @@ if triton is not None:
                      mask=heads[:, None])
             tl.store(k_cache_ptr + cache + k_rows + D // 2, _to_e4m3(f2, k_scale, INTERPRET),
                      mask=heads[:, None])
-            tl.store(v_cache_ptr + cache + hk[:, None] * D + d[None, :],
-                     _to_e4m3(fv, v_scale, INTERPRET), mask=heads[:, None])
+            v_rows = ((slot // block_size) * stride_vb + (slot % block_size) * stride_vs
+                      + hk[:, None] * stride_vh + d[None, :] * stride_vd)  # V's layout (07a)
+            tl.store(v_cache_ptr + v_rows, _to_e4m3(fv, v_scale, INTERPRET), mask=heads[:, None])
             tl.store(ks_ptr + slot * HK + hk, k_scale, mask=heads)
             tl.store(vs_ptr + slot * HK + hk, v_scale, mask=heads)
         elif slot >= 0:  # a padding row of a captured batch has no slot
@@ -140,7 +142,8 @@ def qk_norm_rope_store(
     k_scale, v_scale = (k_cache, v_cache) if kv_scales is None else kv_scales  # unread if bf16
     _qk_rope_store_kernel[(n,)](
         qkv, positions, slot_mapping, q_weight, k_weight, cos_sin_cache, q, k, k_cache, v_cache,
-        k_scale, v_scale, eps, qkv.stride(0), cos_sin_cache.stride(0), HQ=num_heads,
+        k_scale, v_scale, eps, qkv.stride(0), cos_sin_cache.stride(0), v_cache.shape[1],
+        *v_cache.stride(), HQ=num_heads,
         HK=num_kv_heads, HQ_PAD=triton.next_power_of_2(num_heads),
         HK_PAD=triton.next_power_of_2(num_kv_heads), D=head_dim, PDL=pdl,
         FP8=kv_scales is not None, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
