@@ -26,8 +26,9 @@ from nanoengine import LLM, SamplingParams
 from nanoengine.config import Config, check_kv_cache_dtype
 from nanoengine.engine.model_runner import (CPU_KV_BUDGET_BYTES, default_cpu_num_blocks,
                                             kv_block_bytes)
-from nanoengine.kernels.kv_fp8 import (E4M3_MAX, check_kv_scales, dequantize_kv, quantize_kv,
-                                       read_kv_rows, store_kv_fp8, store_kv_fp8_torch)
+from nanoengine.kernels.kv_fp8 import (E4M3_MAX, check_kv_scales, dequantize_kv, fp8_value_layout,
+                                       quantize_kv, read_kv_rows, store_kv_fp8, store_kv_fp8_torch)
+from nanoengine.kernels.kv_store import check_kv_layout
 from nanoengine.kernels.paged_decode import paged_decode
 from nanoengine.layers.paged_attention import TorchBackend, torch_decode
 from nanoengine.models.checkpoint import qwen3_config, write_random_checkpoint
@@ -254,12 +255,79 @@ def test_paged_decode_wants_float8_scales_exactly_with_float8_caches(scales):
         paged_decode(q, k32, v32, tables, lens, 0.5, kv_scales=(torch.ones(3, 4, 2),) * 2)
 
 
+def transposed_copy(v: torch.Tensor) -> torch.Tensor:
+    """v's values in a V cache laid out as the engine lays out float8 V (fp8_value_layout)."""
+    out = fp8_value_layout(torch.empty_like(v))
+    out.copy_(v)
+    return out
+
+
+def test_fp8_value_layout_keeps_shape_and_memory_and_puts_a_blocks_slots_side_by_side():
+    pool = torch.zeros(5, 16, 3, 8, dtype=FP8)
+    v = fp8_value_layout(pool)
+    assert v.shape == pool.shape and v.dtype == FP8 and v.data_ptr() == pool.data_ptr()
+    assert v.stride() == (16 * 3 * 8, 1, 8 * 16, 16)  # [block, head, dim, slot] in memory
+    v[2, 5, 1, 7] = 3.0  # writes land in the one memory
+    assert pool.view(5, 3, 8, 16)[2, 1, 7, 5].item() == 3.0
+    for bad in (pool[:, :8], pool.transpose(1, 2), torch.zeros(4, 3, 8, dtype=FP8)):
+        with pytest.raises(ValueError, match="contiguous \\[num_blocks, block_size, Hk, D\\]"):
+            fp8_value_layout(bad)
+
+
+def test_only_a_float8_store_takes_v_transposed_and_no_other_layout():
+    key = value = torch.zeros(3, 2, 8)
+    slots = torch.tensor([0, 5, -1])
+    k, v = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+    check_kv_layout(key, value, k, fp8_value_layout(v), slots, quantized=True)
+    with pytest.raises(ValueError, match="must be contiguous$"):
+        check_kv_layout(key, value, k, fp8_value_layout(v), slots)
+    with pytest.raises(ValueError, match="may also lie transposed"):  # K stays row by row
+        check_kv_layout(key, value, fp8_value_layout(k), v, slots, quantized=True)
+    other = torch.zeros(2, 2, 4, 8).transpose(1, 2)  # [block, head, slot, dim] in memory
+    with pytest.raises(ValueError, match="may also lie transposed"):
+        check_kv_layout(key, value, k, other, slots, quantized=True)
+
+
+def test_the_stores_and_readers_give_the_same_numbers_whichever_way_v_lies():
+    g = torch.Generator().manual_seed(5)
+    key, value = torch.randn(7, 2, 8, generator=g) * 9, torch.randn(7, 2, 8, generator=g)
+    slots = torch.tensor([3, -1, 0, 17, 8, 9, 30])
+    rows_v = torch.zeros(4, 8, 2, 8, dtype=FP8)
+    pools = {name: (torch.zeros(4, 8, 2, 8, dtype=FP8), v, torch.zeros(4, 8, 2), torch.zeros(4, 8, 2))
+             for name, v in (("rows", rows_v), ("transposed", fp8_value_layout(rows_v.clone())))}
+    for k8, v8, ks, vs in pools.values():
+        store_kv_fp8(key, value, k8, v8, ks, vs, slots)
+    (k_a, v_a, ks_a, vs_a), (k_b, v_b, ks_b, vs_b) = pools.values()
+    assert torch.equal(bits(v_a.contiguous()), bits(v_b.contiguous())) and torch.equal(vs_a, vs_b)
+    kept = slots[slots >= 0]
+    assert torch.equal(read_kv_rows(v_b, vs_b, kept, torch.float32),
+                       dequantize_kv(*quantize_kv(value[slots >= 0]), torch.float32))
+    ctx = Context(context_lens=torch.tensor([20, 3], dtype=torch.int32),
+                  block_tables=torch.tensor([[0, 2, 1], [3, -1, -1]], dtype=torch.int32))
+    q = torch.randn(2, 4, 8, generator=g)
+    torch.testing.assert_close(torch_decode(q, k_b, v_b, ctx, 0.3, (ks_b, vs_b)),
+                               torch_decode(q, k_a, v_a, ctx, 0.3, (ks_a, vs_a)), atol=0, rtol=0)
+
+
+def test_a_row_with_a_nan_or_an_infinity_is_stored_as_finite_bytes_with_a_non_finite_scale():
+    """The decode kernel reads a tile's V slots past a sequence's end with weight 0: the pool's
+    bytes must never be NaN, while the broken row still reads back as non-finite."""
+    x = torch.randn(4, 2, 16)
+    x[0, 1, 3], x[2, 0, 0], x[3, 1, 5] = float("nan"), float("inf"), -float("inf")
+    q, s = quantize_kv(x)
+    assert not q.float().isnan().any()
+    broken = torch.tensor([[False, True], [False, False], [True, False], [False, True]])
+    assert torch.equal(~s.isfinite(), broken)
+    back = dequantize_kv(q, s, torch.float32)
+    assert (~back.isfinite()).any(-1).equal(broken) and back[~broken].isfinite().all()
+
+
 # --- 3. the Triton kernels, by Triton's CPU interpreter -----------------------------------------
 
 CHECK = r'''
 import torch
-from nanoengine.kernels.kv_fp8 import (E4M3_MAX, check_kv_scales, dequantize_kv, quantize_kv,
-                                       store_kv_fp8_torch, store_kv_fp8_triton)
+from nanoengine.kernels.kv_fp8 import (E4M3_MAX, check_kv_scales, dequantize_kv, fp8_value_layout,
+                                       quantize_kv, store_kv_fp8_torch, store_kv_fp8_triton)
 from nanoengine.kernels.paged_decode import paged_decode
 from nanoengine.kernels.rope_store import qk_norm_rope_store
 from nanoengine.layers.paged_attention import torch_decode
@@ -278,6 +346,13 @@ def bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int32)
 
 
+def transposed(pools):
+    """The same pool with V (index 1) laid out as the engine lays out float8 V."""
+    v = fp8_value_layout(torch.empty_like(pools[1]))
+    v.copy_(pools[1])
+    return [pools[0], v, *pools[2:]]
+
+
 # the Triton store == the PyTorch store, bit for bit: caches, scales, skipped and untouched slots
 m = torch.linspace(1.0, 500.0, 20000)
 over = m[m / (m / E4M3_MAX) > E4M3_MAX][:32]  # row maxima that divide to just above 448
@@ -291,6 +366,7 @@ for n, h, d, blocks, bs, dtype in [(7, 3, 16, 4, 4, torch.float32),
     value = (torch.randn(n, h, d, generator=g) * mags.flip(0)).to(dtype)
     key[1, 0] = 0.0  # an all-zero row: scale 1
     value[2] = 0.0
+    key[5, 1, 2], value[6, 0, 1], value[3, 1, 0] = float("nan"), float("inf"), float("nan")
     key[3, -1] = over[:d].to(dtype)
     value[0, 0] = over[-d:].to(dtype)
     slots = torch.randperm(blocks * bs, generator=g)[:n]
@@ -305,6 +381,12 @@ for n, h, d, blocks, bs, dtype in [(7, 3, 16, 4, 4, torch.float32),
     for a, b in zip(got, want):
         assert torch.equal(bits(a), bits(b)), ("store", n, h, d, dtype)
     assert not torch.isnan(got[0].float()).any() and not torch.isnan(got[1].float()).any()
+    assert got[2].isnan().any() and got[3].isinf().any()  # the broken rows' scales
+    lying = transposed([t.clone() for t in start])  # V transposed within each block
+    check_kv_scales(key, value, *lying, slots)
+    store_kv_fp8_triton(key, value, *lying, slots)
+    for a, b in zip(lying, want):
+        assert torch.equal(bits(a.contiguous()), bits(b)), ("store, V transposed", n, h, d)
     kept = slots[slots >= 0].long()
     q, s = quantize_kv(key[slots >= 0])
     assert torch.equal(bits(got[0].flatten(0, 1)[kept]), bits(q))
@@ -330,6 +412,9 @@ for lens, width, bs, hq, hk, ordered in [([5, 37, 0], 4, 16, 4, 2, False),
                         0.25, (k_scale, v_scale))
     order = torch.argsort(ctx_lens, descending=True) if ordered else None
     got = paged_decode(q, k_cache, v_cache, tables, ctx_lens, 0.25, order, (k_scale, v_scale))
+    v_lying = transposed([k_cache, v_cache])[1]  # the engine's layout: the same bits out
+    assert torch.equal(paged_decode(q, k_cache, v_lying, tables, ctx_lens, 0.25, order,
+                                    (k_scale, v_scale)), got), ("decode, V transposed", lens[:3])
     # The softmax weights (summing to 1) meet the values in float16, rounded by at most 2**-11
     # of each: the output moves by at most 2**-11 of the largest value.
     v_largest = float(dequantize_kv(v_cache, v_scale, torch.float32).abs().max())
@@ -365,6 +450,11 @@ for n, hq, hk, d, dtype in [(3, 4, 2, 32, torch.float32), (4, 6, 3, 16, torch.fl
     torch.testing.assert_close(q, want_q, **tol)
     torch.testing.assert_close(k, want_k, **tol)
     assert torch.equal(v, v0.view(n, hk, d))
+    lying = transposed([t.clone() for t in start])  # the same store into V transposed
+    qk_norm_rope_store(qkv, pos, qw, kw, 1e-6, table, lying[0], lying[1], slots, hq, hk,
+                       kv_scales=(lying[2], lying[3]))
+    for a, b in zip(lying, got):
+        assert torch.equal(bits(a.contiguous()), bits(b)), ("rope store, V transposed", n, d)
     own = [t.clone() for t in start]  # the kernel's own k and v through the PyTorch store
     store_kv_fp8_torch(k, v, *own, slots)
     for a, b in zip(got, own):

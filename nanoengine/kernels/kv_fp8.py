@@ -94,6 +94,13 @@ def store_kv_fp8_torch(
 if triton is not None:
 
     @triton.jit
+    def _abs_max(x):
+        """Each row's largest |value| [R] of x [R, C]; NaN where the row holds one (as torch's
+        amax: tl.max skips NaN on the GPU)."""
+        has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+        return tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis=1))
+
+    @triton.jit
     def _e4m3_scale(amax):
         """The scale that maps a row's largest |value| onto E4M3_MAX (1 for an all-zero row)."""
         scale = amax / 448.0
@@ -131,8 +138,8 @@ if triton is not None:
         rows, keep = h[:, None] * D + d[None, :], (h < H)[:, None]
         k = tl.load(key_ptr + token * key_stride + rows, mask=keep, other=0.0).to(tl.float32)
         v = tl.load(value_ptr + token * value_stride + rows, mask=keep, other=0.0).to(tl.float32)
-        k_scale = _e4m3_scale(tl.max(tl.abs(k), axis=1))  # [H_PAD]
-        v_scale = _e4m3_scale(tl.max(tl.abs(v), axis=1))
+        k_scale = _e4m3_scale(_abs_max(k))  # [H_PAD]
+        v_scale = _e4m3_scale(_abs_max(v))
         tl.store(k_cache_ptr + slot * H * D + rows, _to_e4m3(k, k_scale, INTERPRET), mask=keep)
         v_rows = ((slot // block_size) * stride_vb + (slot % block_size) * stride_vs
                   + h[:, None] * stride_vh + d[None, :] * stride_vd)  # either layout of V

@@ -16,7 +16,7 @@ try:
     import triton
     import triton.language as tl
 
-    from nanoengine.kernels.kv_fp8 import _e4m3_scale, _to_e4m3
+    from nanoengine.kernels.kv_fp8 import _abs_max, _e4m3_scale, _to_e4m3
 except ImportError:
     triton = None
 
@@ -81,9 +81,9 @@ if triton is not None:
         if slot >= 0 and FP8:  # a float8 cache (07a): each head's row by its largest |x|
             cache, heads = slot * HK * D, hk < HK
             f1, f2, fv = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
-            k_scale = _e4m3_scale(tl.maximum(tl.max(tl.abs(f1), axis=1),
-                                             tl.max(tl.abs(f2), axis=1)))  # [HK_PAD]
-            v_scale = _e4m3_scale(tl.max(tl.abs(fv), axis=1))
+            k_scale = _e4m3_scale(tl.maximum(_abs_max(f1), _abs_max(f2),
+                                             propagate_nan=tl.PropagateNan.ALL))  # [HK_PAD]
+            v_scale = _e4m3_scale(_abs_max(fv))
             tl.store(k_cache_ptr + cache + k_rows, _to_e4m3(f1, k_scale, INTERPRET),
                      mask=heads[:, None])
             tl.store(k_cache_ptr + cache + k_rows + D // 2, _to_e4m3(f2, k_scale, INTERPRET),
