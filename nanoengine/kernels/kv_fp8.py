@@ -112,8 +112,10 @@ if triton is not None:
         exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         exponent = tl.maximum(exponent, -6)  # subnormals: the step of the smallest normals
         step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-        steps = y / step  # |steps| < 16: adding 1.5 x 2**23 rounds it to an integer, ties to even
-        return ((steps + 12582912.0) - 12582912.0) * step
+        steps = tl.abs(y) / step  # < 16: adding 1.5 x 2**23 rounds it to an integer, ties to even
+        rounded = ((steps + 12582912.0) - 12582912.0) * step
+        sign = y.to(tl.int32, bitcast=True) & -2147483648  # y's sign bit, kept by a zero too
+        return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _to_e4m3(x, scale, INTERPRET: tl.constexpr):
