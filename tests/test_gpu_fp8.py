@@ -43,23 +43,29 @@ def check_departures_are_near_ties(auto: list[dict], fp8: list[dict]) -> list[in
     return shared
 
 
-def fp8_pool(num_blocks: int, block_size: int, heads: int, dim: int, seed: int = 0):
-    from nanoengine.kernels.kv_fp8 import quantize_kv
+def fp8_pool(num_blocks: int, block_size: int, heads: int, dim: int, seed: int = 0, v_transposed: bool = True):
+    """Float8 K, V and their scales on the GPU; V laid out as the engine lays it out (fp8_value_layout) unless
+    v_transposed=False."""
+    from nanoengine.kernels.kv_fp8 import fp8_value_layout, quantize_kv
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(num_blocks, block_size, heads, dim, generator=g) * 4
     v = torch.randn(num_blocks, block_size, heads, dim, generator=g)
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-    return [t.cuda() for t in (kq, vq, ks, vs)]
+    kq, vq, ks, vs = (t.cuda() for t in (kq, vq, ks, vs))
+    if v_transposed:
+        vq = fp8_value_layout(torch.empty_like(vq)).copy_(vq)
+    return [kq, vq, ks, vs]
 
 
+@pytest.mark.parametrize("v_transposed", [True, False])
 @pytest.mark.parametrize("lens, block_size", [([5, 37, 0, 300], 16), ([3000, 17], 256), ([60] * 300, 16)])
-def test_triton_decode_over_a_float8_pool_equals_pytorch(lens, block_size):
+def test_triton_decode_over_a_float8_pool_equals_pytorch(lens, block_size, v_transposed):
     from nanoengine.kernels.kv_fp8 import dequantize_kv
     from nanoengine.kernels.paged_decode import paged_decode
     from nanoengine.layers.paged_attention import torch_decode
     from nanoengine.utils.context import Context
     width = max(1, math.ceil(max(lens) / block_size))
-    kq, vq, ks, vs = fp8_pool(len(lens) * width, block_size, 8, 128)
+    kq, vq, ks, vs = fp8_pool(len(lens) * width, block_size, 8, 128, v_transposed=v_transposed)
     tables = torch.randperm(len(lens) * width).int().view(len(lens), width).cuda()
     q = torch.randn(len(lens), 16, 128, device="cuda", dtype=torch.bfloat16)
     ctx_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -76,13 +82,15 @@ def test_triton_decode_over_a_float8_pool_equals_pytorch(lens, block_size):
         torch.testing.assert_close(got, want, atol=2**-10 * v_largest, rtol=2**-7)
 
 
-def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_step():
-    from nanoengine.kernels.kv_fp8 import quantize_kv, store_kv_fp8
+@pytest.mark.parametrize("v_transposed", [True, False])
+def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_step(v_transposed):
+    from nanoengine.kernels.kv_fp8 import fp8_value_layout, quantize_kv, store_kv_fp8
     from nanoengine.kernels.rope_store import qk_norm_rope_store
     from nanoengine.layers.rotary_embedding import RotaryEmbedding
     from nanoengine.models.qwen3 import qk_norm_rope
     n, hq, hk, d = 40, 16, 8, 128
     qkv = torch.randn(n, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16) * 3
+    qkv[5, (hq + hk) * d + 3] = float("nan")  # a broken value row: finite bytes, a NaN scale
     pos = torch.randint(0, 512, (n,), device="cuda")
     qw, kw = (torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
     table = RotaryEmbedding(d, d, 1024, 1e6).cos_sin_cache.cuda()
@@ -92,6 +100,8 @@ def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_s
     _, want_k = qk_norm_rope.eager(q0.view(n, hq, d), k0.view(n, hk, d), qw, kw, 1e-6, table, pos)
     for fused in (False, True):
         caches = [torch.zeros(4, 16, hk, d, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2)]
+        if v_transposed:
+            caches[1] = fp8_value_layout(caches[1])
         scales = [torch.zeros(4, 16, hk, device="cuda") for _ in range(2)]
         if fused:
             qk_norm_rope_store(qkv, pos, qw, kw, 1e-6, table, *caches, slots, hq, hk, kv_scales=tuple(scales))
@@ -100,9 +110,11 @@ def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_s
         keep = slots >= 0
         for x, cache, s in ((want_k, caches[0], scales[0]), (v0.view(n, hk, d), caches[1], scales[1])):
             q, scale = quantize_kv(x[keep])
-            got = cache.view(-1, hk, d)[slots[keep]].float()
-            torch.testing.assert_close(s.view(-1, hk)[slots[keep]], scale, rtol=2e-2, atol=0)
+            got = cache[slots[keep] // 16, slots[keep] % 16].float()  # either layout
+            torch.testing.assert_close(s.view(-1, hk)[slots[keep]], scale, rtol=2e-2, atol=0, equal_nan=True)
             assert ((got - q.float()).abs() <= q.float().abs() / 8 + 2**-9).all()
+            assert not got.isnan().any()
+        assert scales[1].view(-1, hk)[slots[5], 0].isnan()
 
 
 def test_fp8_engine_with_graphs_prefix_hits_and_chunked_prefill_tracks_the_bf16_engine(ckpt):
