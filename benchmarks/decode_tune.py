@@ -6,6 +6,7 @@ combine kernel).
     python benchmarks/decode_tune.py OUT.json          (needs a CUDA GPU)
     python benchmarks/decode_tune.py OUT.json --fp8    (the same over float8 caches with their scales, 13.1)
     python benchmarks/decode_tune.py OUT.json --fp8 --v-rows   (... with V stored row by row, not transposed)
+    python benchmarks/decode_tune.py OUT.json --fp8 --only "256 x 512 keys"   (one case)
 
 Each setting is checked against the engine's own (`paged_decode`) before it is timed, and the results are written
 after every setting, so a run cut short keeps what it measured. The engine's setting is timed first."""
@@ -66,11 +67,13 @@ def float8_pools(pools: list, v_transposed: bool = True) -> list:
     return [(kq, layout(vq), ks, vs) for (kq, ks), (vq, vs) in ((quantize_kv(k), quantize_kv(v)) for k, v in pools)]
 
 
-def main(path: str, fp8: bool = False, v_rows: bool = False) -> dict:
+def main(path: str, fp8: bool = False, v_rows: bool = False, only: str | None = None) -> dict:
     results = {"provenance": provenance(), "what": __doc__.split("\n\n")[0], "fp8": fp8, "cases": {}}
     if fp8:
         results["v_layout"] = "row by row" if v_rows else "transposed within each block (the engine's)"
     for name, lens in CASES.items():
+        if only is not None and name != only:
+            continue
         width = math.ceil(4096 / BLOCK)  # the graph's width at max_model_len 4096
         pools, tables, ctx = scattered_step(lens, width)
         pools = float8_pools(pools, not v_rows) if fp8 else [(k, v, k, v) for k, v in pools]
@@ -104,4 +107,8 @@ def main(path: str, fp8: bool = False, v_rows: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], fp8="--fp8" in sys.argv[2:], v_rows="--v-rows" in sys.argv[2:])
+    args = sys.argv[2:]
+    only = args[args.index("--only") + 1] if "--only" in args else None
+    if only is not None and only not in CASES:
+        raise SystemExit(f"--only takes one of {list(CASES)}, got {only!r}")
+    main(sys.argv[1], fp8="--fp8" in args, v_rows="--v-rows" in args, only=only)
