@@ -71,9 +71,10 @@ if triton is not None:
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, lens_ptr, order_ptr, o_ptr, part_ptr,
         stats_ptr, scale, stride_qb, stride_qh, stride_block, stride_key, stride_vb, stride_vk,
-        stride_vh, stride_vd, stride_tb, stride_ob, stride_oh, PARTITION: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-        GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-        ORDERED: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr, FP8: tl.constexpr,
+        stride_vh, stride_vd, stride_tb, stride_ob, stride_oh, PARTITION: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
+        INTERPRET: tl.constexpr, FP8: tl.constexpr,
     ):
         kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # q and the block tables may be the previous kernel's output: wait for it
