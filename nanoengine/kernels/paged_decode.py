@@ -18,7 +18,7 @@ except ImportError:
     triton = None
 
 DECODE_BLOCK_N = 64  # keys per tile: the best of 32, 64 and 128 in a sweep on the H200
-DECODE_FP8_BLOCK_N = 32  # ... over float8 caches, two pipeline stages (13.1's sweep)
+DECODE_FP8_BLOCK_N = 128  # ... over float8 caches, unsplit, two pipeline stages (13.1's sweep)
 
 if triton is not None:
 
@@ -192,11 +192,12 @@ def decode_partition(num_seqs: int, num_kv_heads: int, max_keys: int) -> int:
 
 # %% ../../notebooks/08a_paged_decode.ipynb #pdc00001
 def decode_launch(fp8: bool, split: bool) -> tuple[int, int]:
-    """(keys per tile, pipeline stages) of the decode kernel: a whole sequence per program gets a
-    deeper pipeline, except over float8 caches, which take their own tile (13.1)."""
-    if fp8:
-        return DECODE_FP8_BLOCK_N, 2
-    return DECODE_BLOCK_N, 2 if split else 3
+    """(keys per tile, pipeline stages) of the decode kernel: partitions of a split step take
+    DECODE_BLOCK_N keys and two stages; a whole sequence per program gets a deeper pipeline, or
+    over float8 caches a wider tile (13.1)."""
+    if split:
+        return DECODE_BLOCK_N, 2
+    return (DECODE_FP8_BLOCK_N, 2) if fp8 else (DECODE_BLOCK_N, 3)
 
 
 def paged_decode(
@@ -258,7 +259,7 @@ def paged_decode(
         k_cache.stride(0), k_cache.stride(1), *v_cache.stride(), block_tables.stride(0),
         out.stride(0), out.stride(1), PARTITION=partition,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        D=head_dim, BLOCK_N=math.gcd(block_n, block_size), SPLIT=num_parts > 1,
+        D=head_dim, BLOCK_N=math.gcd(block_n, block_size, partition), SPLIT=num_parts > 1,
         ORDERED=ordered, PDL=pdl, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", FP8=fp8,
         launch_pdl=pdl, num_warps=4,
         num_stages=stages,
