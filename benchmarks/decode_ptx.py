@@ -44,9 +44,10 @@ KINDS = {
 SM90 = {"registers": 65_536, "shared_memory_bytes": 228 * 1024, "max_warps": 64, "max_programs": 32}
 WARPS = 4
 # (float8, keys per tile, pipeline stages, V transposed): paged_decode's own for an unsplit step over the engine's
-# pools; the float8 kernel over V stored row by row, at its own launch settings and at bfloat16's
+# pools, and the float8 kernel as section 13.1 follows it: at the bfloat16 kernel's settings over V stored row by
+# row (the first version), at 32 keys a tile over V row by row (its own settings then), at 32 keys over V transposed
 LAUNCHES = {"auto": (False, *decode_launch(False, False), False), "fp8": (True, *decode_launch(True, False), True),
-            "fp8_v_row_by_row": (True, *decode_launch(True, False), False),
+            "fp8_v_transposed_32_keys": (True, 32, 2, True), "fp8_v_row_by_row": (True, 32, 2, False),
             "fp8_at_bfloat16_setting": (True, *decode_launch(False, False), False)}
 
 
