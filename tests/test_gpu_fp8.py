@@ -117,39 +117,6 @@ def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_s
         assert scales[1].view(-1, hk)[slots[5], 0].isnan()
 
 
-def test_a_prompt_step_stores_v_by_runs_bit_for_bit_as_the_per_token_kernels_do():
-    """Steps of STORE_RUNS_MIN_TOKENS tokens or more write V transposed by runs of neighbouring tokens; V row by
-    row keeps the per-token kernels. Same arithmetic, so the same bits."""
-    from nanoengine.kernels.kv_fp8 import STORE_RUNS_MIN_TOKENS, fp8_value_layout, store_kv_fp8, stores_v_by_runs
-    from nanoengine.kernels.rope_store import qk_norm_rope_store
-    from nanoengine.layers.rotary_embedding import RotaryEmbedding
-    n, hq, hk, d, bs = STORE_RUNS_MIN_TOKENS + 100, 16, 8, 128, 256
-    qkv = torch.randn(n, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16) * 3
-    qkv[7, (hq + hk) * d + 5] = float("nan")
-    pos = torch.arange(n, device="cuda") % 1024
-    qw, kw = (torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
-    table = RotaryEmbedding(d, d, 1024, 1e6).cos_sin_cache.cuda()
-    slots = torch.arange(n, device="cuda") + 300  # a prompt: neighbouring slots across block boundaries
-    slots[3] = -1
-    _, k0, v0 = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-    for fused in (True, False):
-        out = []
-        for transposed in (True, False):
-            caches = [torch.zeros(8, bs, hk, d, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2)]
-            if transposed:
-                caches[1] = fp8_value_layout(caches[1])
-            scales = [torch.zeros(8, bs, hk, device="cuda") for _ in range(2)]
-            assert stores_v_by_runs(caches[1], n) == transposed
-            if fused:
-                qk_norm_rope_store(qkv, pos, qw, kw, 1e-6, table, *caches, slots, hq, hk, kv_scales=tuple(scales))
-            else:
-                store_kv_fp8(k0.view(n, hk, d), v0.view(n, hk, d), *caches, *scales, slots)
-            out.append([t.contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn
-                        else t.nan_to_num(nan=-1.0) for t in caches + scales])
-        for a, b in zip(*out):
-            assert torch.equal(a, b), ("fused" if fused else "store")
-
-
 def test_fp8_engine_with_graphs_prefix_hits_and_chunked_prefill_tracks_the_bf16_engine(ckpt):
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, 380, (300,), generator=g).tolist()

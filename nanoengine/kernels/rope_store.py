@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .kv_fp8 import check_kv_scales, store_v_fp8_runs, stores_v_by_runs
+from .kv_fp8 import check_kv_scales
 from .kv_store import check_kv_layout
 from .paged_decode import pdl_capable
 
@@ -49,7 +49,7 @@ if triton is not None:
         v_cache_ptr, ks_ptr, vs_ptr, eps, stride_qkv, stride_cs, block_size, stride_vb, stride_vs,
         stride_vh, stride_vd, HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr,
         HK_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr,
-        STORE_V: tl.constexpr, INTERPRET: tl.constexpr,
+        INTERPRET: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
         half = tl.arange(0, D // 2)
@@ -83,18 +83,16 @@ if triton is not None:
             f1, f2, fv = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
             k_scale = _e4m3_scale(tl.maximum(_abs_max(f1), _abs_max(f2),
                                              propagate_nan=tl.PropagateNan.ALL))  # [HK_PAD]
+            v_scale = _e4m3_scale(_abs_max(fv))
             tl.store(k_cache_ptr + cache + k_rows, _to_e4m3(f1, k_scale, INTERPRET),
                      mask=heads[:, None])
             tl.store(k_cache_ptr + cache + k_rows + D // 2, _to_e4m3(f2, k_scale, INTERPRET),
                      mask=heads[:, None])
+            v_rows = ((slot // block_size) * stride_vb + (slot % block_size) * stride_vs
+                      + hk[:, None] * stride_vh + d[None, :] * stride_vd)  # V's layout (07a)
+            tl.store(v_cache_ptr + v_rows, _to_e4m3(fv, v_scale, INTERPRET), mask=heads[:, None])
             tl.store(ks_ptr + slot * HK + hk, k_scale, mask=heads)
-            if STORE_V:  # else 07a's store by runs writes V
-                v_scale = _e4m3_scale(_abs_max(fv))
-                v_rows = ((slot // block_size) * stride_vb + (slot % block_size) * stride_vs
-                          + hk[:, None] * stride_vh + d[None, :] * stride_vd)  # V's layout (07a)
-                tl.store(v_cache_ptr + v_rows, _to_e4m3(fv, v_scale, INTERPRET),
-                         mask=heads[:, None])
-                tl.store(vs_ptr + slot * HK + hk, v_scale, mask=heads)
+            tl.store(vs_ptr + slot * HK + hk, v_scale, mask=heads)
         elif slot >= 0:  # a padding row of a captured batch has no slot
             cache = slot * HK * D
             tl.store(k_cache_ptr + cache + k_rows, k1, mask=(hk < HK)[:, None])
@@ -142,18 +140,15 @@ def qk_norm_rope_store(
         return q, k, v
     pdl = pdl_capable(qkv.device)
     k_scale, v_scale = (k_cache, v_cache) if kv_scales is None else kv_scales  # unread if bf16
-    runs = kv_scales is not None and stores_v_by_runs(v_cache, n)
     _qk_rope_store_kernel[(n,)](
         qkv, positions, slot_mapping, q_weight, k_weight, cos_sin_cache, q, k, k_cache, v_cache,
         k_scale, v_scale, eps, qkv.stride(0), cos_sin_cache.stride(0), v_cache.shape[1],
         *v_cache.stride(), HQ=num_heads,
         HK=num_kv_heads, HQ_PAD=triton.next_power_of_2(num_heads),
         HK_PAD=triton.next_power_of_2(num_kv_heads), D=head_dim, PDL=pdl,
-        FP8=kv_scales is not None, STORE_V=not runs,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", launch_pdl=pdl, num_warps=4,
+        FP8=kv_scales is not None, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        launch_pdl=pdl, num_warps=4,
     )
-    if runs:  # a prompt step into V transposed: V by runs of neighbouring tokens (07a)
-        store_v_fp8_runs(v, v_cache, kv_scales[1], slot_mapping)
     return q, k, v
 
 # %% ../../notebooks/11c_rope_store.ipynb #14891eba
