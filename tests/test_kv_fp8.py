@@ -535,20 +535,23 @@ def test_torch_backend_over_float8_equals_float32_over_the_dequantized_pool(spec
     backend = TorchBackend()
     got = backend.forward(s["q"], s["k"], s["v"], s["k8"], s["v8"], s["ctx"], s["scale"],
                           kv_scales=(s["ks"], s["vs"]))
-    # the float32 twin is given what a float8 cache keeps of the new keys and values
-    want = backend.forward(s["q"], fake_quant(s["k"]), fake_quant(s["v"]), s["k32"], s["v32"],
-                           s["ctx"], s["scale"])
+    # the float32 twin holds what a float8 cache keeps of the new keys and values: a decode step
+    # reads them back from the pool, a prompt step attends them as computed
+    twin = (s["k32"].clone(), s["v32"].clone())
+    check_kv_layout(s["k"], s["v"], *twin, s["ctx"].slot_mapping)
+    pa.store_kv(fake_quant(s["k"]), fake_quant(s["v"]), *twin, s["ctx"].slot_mapping)
+    want = backend.forward(s["q"], s["k"], s["v"], *twin, s["ctx"], s["scale"], kv_stored=True)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # after the step the float8 pool still dequantizes to the float32 one, new rows included
-    for cache, scales, twin in ((s["k8"], s["ks"], s["k32"]), (s["v8"], s["vs"], s["v32"])):
-        assert torch.equal(dequantize_kv(cache, scales, torch.float32), twin)
+    for cache, scales, twin_cache in ((s["k8"], s["ks"], twin[0]), (s["v8"], s["vs"], twin[1])):
+        assert torch.equal(dequantize_kv(cache, scales, torch.float32), twin_cache)
     if decode:
         assert (got[-2:] == 0).all()  # rows with no context
-    # the float8 read is what matters: the raw (unquantized) new keys give another answer
-    raw = backend.forward(s["q"], s["k"], s["v"], s["k32"].clone(), s["v32"].clone(), s["ctx"],
-                          s["scale"])
-    assert not torch.allclose(raw, got, atol=1e-5)
+    else:  # the new keys as the pool keeps them give another answer
+        stored = backend.forward(s["q"], fake_quant(s["k"]), fake_quant(s["v"]), *twin, s["ctx"],
+                                 s["scale"], kv_stored=True)
+        assert not torch.allclose(stored, got, atol=1e-5)
 
 
 def test_a_fresh_prefill_attends_its_own_keys_and_stores_them_as_float8():

@@ -184,6 +184,22 @@ def test_key_slots():
     cu = torch.tensor([0, 3, 5, 6], dtype=torch.int32)
     tables = torch.tensor([[4, 1], [2, -1], [0, -1]], dtype=torch.int32)
     assert key_slots(cu, tables, 2).tolist() == [8, 9, 2, 4, 5, 0]
+    assert key_slots(cu, tables, 2, num_keys=6).tolist() == [8, 9, 2, 4, 5, 0]
+
+
+def test_gather_keys_reads_the_cached_keys_from_the_pool_and_the_new_ones_as_given():
+    step = make_step([(5, 3), (0, 2), (9, 1), (4, 4)], seed=7)
+    pa.store_kv(step.k, step.v, step.k_cache, step.v_cache, step.ctx.slot_mapping)
+    rows = key_slots(step.ctx.cu_seqlens_k, step.ctx.block_tables, step.k_cache.shape[1])
+    whole = step.k_cache.flatten(0, 1)[rows], step.v_cache.flatten(0, 1)[rows]  # all from the pool
+    k, v = pa.gather_keys(step.k, step.v, step.k_cache, step.v_cache, step.ctx, None)
+    assert torch.equal(k, whole[0]) and torch.equal(v, whole[1])
+    sources = step.ctx.key_sources  # worked out once, for every layer of the step
+    assert [len(x) for x in sources] == [18, 18, 10]
+    new_k = step.k + 1  # the new rows come from k and v, not the pool
+    k, _ = pa.gather_keys(new_k, step.v, step.k_cache, step.v_cache, step.ctx, None)
+    assert step.ctx.key_sources is sources
+    assert torch.equal(k[sources[2]], new_k) and torch.equal(k[sources[1]], whole[0][sources[1]])
 
 
 def test_missing_context_fields_are_named():
