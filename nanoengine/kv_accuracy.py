@@ -33,12 +33,15 @@ def text_nll(llm: LLM, token_ids: list[int]) -> float:
     positions = torch.arange(n, device=device)
     table = torch.tensor(seq.block_table, dtype=torch.int32, device=device)  # [num_blocks]
     slots = table.long()[positions // runner.block_size] * runner.block_size
+    slots += positions % runner.block_size  # [n]
     bounds = torch.tensor([0, n], dtype=torch.int32, device=device)
     runner.step.set(
         is_prefill=True, cu_seqlens_q=bounds, cu_seqlens_k=bounds, max_seqlen_q=n,
-        max_seqlen_k=n, slot_mapping=(slots + positions % runner.block_size).int(),
-        block_tables=table[None],
-    )  # with a block table, attention reads every key back from the pool
+        max_seqlen_k=n, slot_mapping=slots.int(), block_tables=table[None],
+        # chapter 08's key_sources, given: every place takes its key from the pool (gather_keys
+        # writes the pool's rows after the step's own)
+        key_sources=(slots, positions, positions),
+    )
     try:
         hidden = runner.model(ids, positions)  # [n, hidden]
     finally:

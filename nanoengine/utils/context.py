@@ -22,7 +22,7 @@ class Context:
     context_lens: torch.Tensor | None = None  # int32 [num_seqs], decode: tokens of context
     block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks], -1 padded
     decode_order: torch.Tensor | None = None  # [num_seqs], longest context first (set by a layer)
-    # a prefill over a cached prefix: where its packed keys come from (set by a layer, 08)
+    # a prefill over a cached prefix: where its packed keys come from (a layer's, unless given; 08)
     key_sources: tuple[torch.Tensor, ...] | None = None
     # a mixed step, split for a backend that attends decode rows better on their own (08.1):
     decode_rows: "Context | None" = None  # its leading decode rows, as a decode step
