@@ -38,9 +38,8 @@ def text_nll(llm: LLM, token_ids: list[int]) -> float:
     runner.step.set(
         is_prefill=True, cu_seqlens_q=bounds, cu_seqlens_k=bounds, max_seqlen_q=n,
         max_seqlen_k=n, slot_mapping=slots.int(), block_tables=table[None],
-        # chapter 08's key_sources, given: every place takes its key from the pool (gather_keys
-        # writes the pool's rows after the step's own)
-        key_sources=(slots, positions, positions),
+        # chapter 08's key_sources, given: the pool's rows in order, none of the step's own
+        key_sources=(slots, positions, None),
     )
     try:
         hidden = runner.model(ids, positions)  # [n, hidden]

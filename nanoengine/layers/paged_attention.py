@@ -140,16 +140,19 @@ def gather_keys(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's keys and values packed in cu_seqlens_k order: its cached ones from the
     pool (dequantized from a float8 pool), then the step's new rows k and v as they are:
-    [total_k, Hk, D] each. A place that `ctx.key_sources` names twice takes the pool's row."""
+    [total_k, Hk, D] each. Sources given with no places for new rows (None) take every key from
+    the pool."""
     if ctx.key_sources is None:  # the first layer works it out for the others
         ctx.key_sources = key_sources(ctx, k.shape[0], k_cache.shape[1])
     rows, cached_at, new_at = ctx.key_sources
     scales = (None, None) if kv_scales is None else kv_scales
     packed = []
+    num_keys = len(cached_at) + (0 if new_at is None else len(new_at))
     for new, cache, scale in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
-        out = new.new_empty(len(cached_at) + len(new_at), *new.shape[1:])  # [total_k, Hk, D]
-        out[new_at] = new
-        out[cached_at] = read_kv_rows(cache, scale, rows, new.dtype)  # after: the pool wins
+        out = new.new_empty(num_keys, *new.shape[1:])  # [total_k, Hk, D]
+        out[cached_at] = read_kv_rows(cache, scale, rows, new.dtype)
+        if new_at is not None:
+            out[new_at] = new
         packed.append(out)
     return packed[0], packed[1]
 
