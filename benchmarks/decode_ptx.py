@@ -87,6 +87,7 @@ def compile_decode(fp8: bool, block_n: int, stages: int, v_transposed: bool) -> 
     # within each block (fp8_value_layout, the engine's float8 pool), along the dims row by row
     constants = dict(PARTITION=512, BLOCK_SIZE=256, GROUP=2, GROUP_PAD=16, D=128, BLOCK_N=block_n,
                      SPLIT=False, ORDERED=True, PDL=False, INTERPRET=False, FP8=fp8,
+                     V_RUN=256,  # V's keys side by side across a whole block of 256
                      **({"stride_vk": 1} if v_transposed else {"stride_vd": 1}))
     signature |= {name: "constexpr" for name in constants}
     names = list(signature)

@@ -51,7 +51,8 @@ def launch(q, kc, vc, ks, vs, tables, lens, out, part, stats, partition, num_par
         PARTITION=partition,
         BLOCK_SIZE=BLOCK, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, D=HEAD_DIM, BLOCK_N=block_n, SPLIT=num_parts > 1,
         ORDERED=ordered, PDL=pdl,
-        INTERPRET=False, FP8=kc.dtype == torch.float8_e4m3fn, launch_pdl=pdl, num_warps=warps, num_stages=stages,
+        INTERPRET=False, FP8=kc.dtype == torch.float8_e4m3fn, V_RUN=vc.shape[1], launch_pdl=pdl, num_warps=warps,
+        num_stages=stages,
     )
     if num_parts > 1:
         _combine_kernel[(q.shape[0], HEADS)](
@@ -61,7 +62,7 @@ def launch(q, kc, vc, ks, vs, tables, lens, out, part, stats, partition, num_par
 
 
 def float8_pools(pools: list, v_transposed: bool = True) -> list:
-    """Each layer's (K, V) caches quantized as the engine stores them, V transposed within each block
+    """Each layer's (K, V) caches quantized as the engine stores them, V transposed in the engine's runs
     (`fp8_value_layout`; row by row with v_transposed=False): (K, V, K scales, V scales)."""
     layout = fp8_value_layout if v_transposed else (lambda v: v)
     return [(kq, layout(vq), ks, vs) for (kq, ks), (vq, vs) in ((quantize_kv(k), quantize_kv(v)) for k, v in pools)]
@@ -70,7 +71,7 @@ def float8_pools(pools: list, v_transposed: bool = True) -> list:
 def main(path: str, fp8: bool = False, v_rows: bool = False, only: str | None = None) -> dict:
     results = {"provenance": provenance(), "what": __doc__.split("\n\n")[0], "fp8": fp8, "cases": {}}
     if fp8:
-        results["v_layout"] = "row by row" if v_rows else "transposed within each block (the engine's)"
+        results["v_layout"] = "row by row" if v_rows else "transposed in runs of FP8_V_RUN slots (the engine's)"
     for name, lens in CASES.items():
         if only is not None and name != only:
             continue

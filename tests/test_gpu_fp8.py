@@ -52,8 +52,9 @@ def fp8_pool(num_blocks: int, block_size: int, heads: int, dim: int, seed: int =
     v = torch.randn(num_blocks, block_size, heads, dim, generator=g)
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     kq, vq, ks, vs = (t.cuda() for t in (kq, vq, ks, vs))
-    if v_transposed:
-        vq = fp8_value_layout(torch.empty_like(vq)).copy_(vq)
+    if v_transposed:  # the same slots, in the engine's V blocks
+        lying = fp8_value_layout(torch.empty_like(vq))
+        vq = lying.copy_(vq.reshape(lying.shape))
     return [kq, vq, ks, vs]
 
 

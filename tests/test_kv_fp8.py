@@ -274,6 +274,42 @@ def test_fp8_value_layout_keeps_shape_and_memory_and_puts_a_blocks_slots_side_by
             fp8_value_layout(bad)
 
 
+def test_fp8_value_layout_in_runs_keeps_every_slots_number_and_puts_a_runs_slots_side_by_side():
+    pool = torch.arange(2 * 256 * 2 * 4, dtype=torch.int32).to(torch.uint8).view(2, 256, 2, 4)
+    v = fp8_value_layout(pool)  # the engine's runs of 64 slots
+    assert v.shape == (8, 64, 2, 4) and v.data_ptr() == pool.data_ptr()
+    assert v.stride() == (64 * 2 * 4, 1, 4 * 64, 64)  # [V block, head, dim, slot] in memory
+    assert fp8_value_layout(pool, 256).shape == pool.shape  # a whole block per run
+    assert fp8_value_layout(pool, 96).shape == (16, 32, 2, 4)  # gcd(96, 256): never across blocks
+    flat = pool.view(-1)
+    for slot, h, d in [(0, 0, 0), (63, 1, 3), (64, 0, 2), (300, 1, 1), (511, 1, 3)]:
+        i, r = divmod(slot, 64)
+        offset = v[i, r, h, d].data_ptr() - pool.data_ptr()
+        assert offset == ((i * 2 + h) * 4 + d) * 64 + r and flat[offset] == v[i, r, h, d]
+    for bad_run in (0, -64, 2.0):
+        with pytest.raises(ValueError, match="run must be a positive int"):
+            fp8_value_layout(pool, bad_run)
+
+
+def test_v_blocks_smaller_than_k_blocks_are_taken_only_where_they_hold_the_same_slots():
+    key = value = torch.zeros(3, 2, 8)
+    slots = torch.tensor([0, 5, -1])
+    k, v = torch.zeros(2, 8, 2, 8), torch.zeros(2, 8, 2, 8)
+    check_kv_layout(key, value, k, fp8_value_layout(v, 4), slots, quantized=True)
+    with pytest.raises(ValueError, match="blocks that divide block_size"):  # 3 slots a block
+        check_kv_layout(key, value, k, torch.zeros(6, 3, 2, 8).transpose(1, 3).contiguous()
+                        .transpose(1, 3), slots, quantized=True)
+    with pytest.raises(ValueError, match="blocks that divide block_size"):  # fewer slots
+        check_kv_layout(key, value, k, fp8_value_layout(v[:1], 4), slots, quantized=True)
+    with pytest.raises(ValueError, match=r"must be \[num_blocks, block_size, 2, 8\], got"):
+        check_kv_layout(key, value, k, fp8_value_layout(v, 4), slots)  # bfloat16 V: K's blocks
+    k8, v8 = k.to(FP8), fp8_value_layout(v.to(FP8)[:1], 4)
+    tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="hold the same slots in blocks"):
+        paged_decode(torch.zeros(1, 4, 8), k8, v8, tables, lens, 0.5,
+                     kv_scales=(torch.ones(2, 8, 2),) * 2)
+
+
 def test_only_a_float8_store_takes_v_transposed_and_no_other_layout():
     key = value = torch.zeros(3, 2, 8)
     slots = torch.tensor([0, 5, -1])
@@ -349,10 +385,10 @@ def bits(t):
     return torch.where(t.isnan(), float("nan"), t).view(torch.int32)
 
 
-def transposed(pools):
-    """The same pool with V (index 1) laid out as the engine lays out float8 V."""
-    v = fp8_value_layout(torch.empty_like(pools[1]))
-    v.copy_(pools[1])
+def transposed(pools, run=64):
+    """The same pool with V (index 1) laid out as the engine lays out float8 V, slot by slot."""
+    v = fp8_value_layout(torch.empty_like(pools[1]), run)
+    v.copy_(pools[1].reshape(v.shape))  # a contiguous pool's slots, in V blocks of v's size
     return [pools[0], v, *pools[2:]]
 
 
@@ -389,7 +425,7 @@ for n, h, d, blocks, bs, dtype in [(7, 3, 16, 4, 4, torch.float32),
     check_kv_scales(key, value, *lying, slots)
     store_kv_fp8_triton(key, value, *lying, slots)
     for a, b in zip(lying, want):
-        assert torch.equal(bits(a.contiguous()), bits(b)), ("store, V transposed", n, h, d)
+        assert torch.equal(bits(a.reshape(b.shape)), bits(b)), ("store, V transposed", n, h, d)
     kept = slots[slots >= 0].long()
     q, s = quantize_kv(key[slots >= 0])
     assert torch.equal(bits(got[0].flatten(0, 1)[kept]), bits(q))
@@ -415,9 +451,12 @@ for lens, width, bs, hq, hk, ordered in [([5, 37, 0], 4, 16, 4, 2, False),
                         0.25, (k_scale, v_scale))
     order = torch.argsort(ctx_lens, descending=True) if ordered else None
     got = paged_decode(q, k_cache, v_cache, tables, ctx_lens, 0.25, order, (k_scale, v_scale))
-    v_lying = transposed([k_cache, v_cache])[1]  # the engine's layout: the same bits out
-    assert torch.equal(paged_decode(q, k_cache, v_lying, tables, ctx_lens, 0.25, order,
-                                    (k_scale, v_scale)), got), ("decode, V transposed", lens[:3])
+    for run in (64, 8):  # the engine's layout (runs of 64, or the block), and shorter runs
+        v_lying = transposed([k_cache, v_cache], run)[1]  # the same bits out
+        assert torch.equal(paged_decode(q, k_cache, v_lying, tables, ctx_lens, 0.25, order,
+                                        (k_scale, v_scale)), got), ("decode, V in runs", run)
+        assert torch.equal(torch_decode(q, k_cache, v_lying, Context(
+            context_lens=ctx_lens, block_tables=tables), 0.25, (k_scale, v_scale)), want)
     # The softmax weights (summing to 1) meet the values in float16, rounded by at most 2**-11
     # of each: the output moves by at most 2**-11 of the largest value.
     v_largest = float(dequantize_kv(v_cache, v_scale, torch.float32).abs().max())
@@ -457,7 +496,7 @@ for n, hq, hk, d, dtype in [(3, 4, 2, 32, torch.float32), (4, 6, 3, 16, torch.fl
     qk_norm_rope_store(qkv, pos, qw, kw, 1e-6, table, lying[0], lying[1], slots, hq, hk,
                        kv_scales=(lying[2], lying[3]))
     for a, b in zip(lying, got):
-        assert torch.equal(bits(a.contiguous()), bits(b)), ("rope store, V transposed", n, d)
+        assert torch.equal(bits(a.reshape(b.shape)), bits(b)), ("rope store, V transposed", n, d)
     own = [t.clone() for t in start]  # the kernel's own k and v through the PyTorch store
     store_kv_fp8_torch(k, v, *own, slots)
     for a, b in zip(got, own):

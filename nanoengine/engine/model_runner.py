@@ -207,7 +207,7 @@ def allocate_kv_cache(self: ModelRunner) -> int:
         layer.k_cache, layer.v_cache, layer.backend = (
             self.kv_cache[0, i], self.kv_cache[1, i], self.backend,
         )
-        if self.kv_scales is not None:  # V's bytes transposed within each block (07a)
+        if self.kv_scales is not None:  # V's bytes transposed, in runs of slots (07a)
             layer.v_cache = fp8_value_layout(layer.v_cache)
             layer.k_scale, layer.v_scale = self.kv_scales[0, i], self.kv_scales[1, i]
     return num_blocks

@@ -38,21 +38,27 @@ def check_kv_layout(
 ) -> None:
     """Raise ValueError unless the tensors have the layout the store expects; `quantized`: the
     caches hold float8 rows, each beside its scale, their dtype is the store's, and V may lie
-    transposed within each block (chapter 07a)."""
+    transposed, in blocks of its own that divide block_size (chapter 07a)."""
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(
             f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
             f"{tuple(key.shape)} and {tuple(value.shape)}"
         )
     num_tokens, num_heads, head_dim = key.shape
+    same_slots = (  # a float8 V may hold the same slots in smaller blocks (07a)
+        quantized and v_cache.dim() == 4 and k_cache.dim() == 4
+        and v_cache.shape[2:] == k_cache.shape[2:] and k_cache.shape[1] % v_cache.shape[1] == 0
+        and v_cache.shape[0] * v_cache.shape[1] == k_cache.shape[0] * k_cache.shape[1]
+    )
     if (
         k_cache.dim() != 4
-        or k_cache.shape != v_cache.shape
+        or (k_cache.shape != v_cache.shape and not same_slots)
         or tuple(k_cache.shape[2:]) != (num_heads, head_dim)
     ):
         raise ValueError(
-            f"k_cache and v_cache must be [num_blocks, block_size, {num_heads}, {head_dim}], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            f"k_cache and v_cache must be [num_blocks, block_size, {num_heads}, {head_dim}]"
+            + (" (V may hold the same slots in blocks that divide block_size)" if quantized else "")
+            + f", got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     v_transposed = quantized and v_cache.permute(0, 2, 3, 1).is_contiguous()
     if not (k_cache.is_contiguous() and (v_cache.is_contiguous() or v_transposed)):

@@ -27,6 +27,7 @@ if triton is not None:
         q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, kv_head, t0, end, scale,
         stride_block, stride_key, stride_vb, stride_vk, stride_vh, stride_vd,
         BLOCK_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+        V_RUN: tl.constexpr,
     ):
         """Keys t0 .. t0 + BLOCK_N - 1 (those before `end`): the online-softmax update."""
         block = tl.load(table_ptr + t0 // BLOCK_SIZE).to(tl.int64)  # tiles never cross blocks
@@ -34,10 +35,11 @@ if triton is not None:
         rows = block * stride_block + (pos % BLOCK_SIZE) * stride_key + kv_head * D
         valid = pos < end
         k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        if FP8:  # V where its strides say: 07a lays it out with a block's keys side by side
+        if FP8:  # V where its shape and strides say: 07a's V blocks hold V_RUN slots each
             slot0 = tl.multiple_of(t0 % BLOCK_SIZE, BLOCK_N)  # tiles start at multiples of BLOCK_N
-            v_rows = (block * stride_vb + (slot0 + tl.arange(0, BLOCK_N)) * stride_vk
-                      + kv_head * stride_vh)
+            s = slot0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] slots of K block `block`
+            v_block = block * (BLOCK_SIZE // V_RUN) + s // V_RUN
+            v_rows = v_block * stride_vb + (s % V_RUN) * stride_vk + kv_head * stride_vh
             # unmasked: the tile lies in one block, and a mask that changes along the keys would
             # keep the loads narrow. Slots past `end` get weight 0, and 07a stores no NaN bytes
             v = tl.load(v_ptr + v_rows[:, None] + d[None, :] * stride_vd)  # [BLOCK_N, D]
@@ -74,7 +76,7 @@ if triton is not None:
         stride_vh, stride_vd, stride_tb, stride_ob, stride_oh, PARTITION: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ORDERED: tl.constexpr, PDL: tl.constexpr,
-        INTERPRET: tl.constexpr, FP8: tl.constexpr,
+        INTERPRET: tl.constexpr, FP8: tl.constexpr, V_RUN: tl.constexpr,
     ):
         kv_head, seq, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # q and the block tables may be the previous kernel's output: wait for it
@@ -107,7 +109,7 @@ if triton is not None:
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, t0, end,
                     scale, stride_block, stride_key, stride_vb, stride_vk, stride_vh, stride_vd,
-                    BLOCK_SIZE, D, BLOCK_N, FP8,
+                    BLOCK_SIZE, D, BLOCK_N, FP8, V_RUN,
                 )
                 t0 += BLOCK_N
         else:
@@ -115,7 +117,7 @@ if triton is not None:
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, t0, end,
                     scale, stride_block, stride_key, stride_vb, stride_vk, stride_vh, stride_vd,
-                    BLOCK_SIZE, D, BLOCK_N, FP8,
+                    BLOCK_SIZE, D, BLOCK_N, FP8, V_RUN,
                 )
         if PDL:  # only now: a kernel launched earlier would take room from this one's programs
             tl.extra.cuda.gdc_launch_dependents()
@@ -210,7 +212,7 @@ def paged_decode(
     q [B, Hq, D], caches [num_blocks, block_size, Hk, D], block_tables [B, W] -> [B, Hq, D].
     `order`, a permutation of the B rows, is the order in which an unsplit step starts them.
     `kv_scales`: float8 caches' per-row scales [num_blocks, block_size, Hk] (chapter 07a), whose
-    v_cache may lie transposed within each block (`fp8_value_layout`)."""
+    v_cache may lie transposed in blocks of its own (`fp8_value_layout`)."""
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     v_transposed = fp8 and v_cache.permute(0, 2, 3, 1).is_contiguous()
     if q.stride(-1) != 1 or not (k_cache.is_contiguous() and
@@ -218,6 +220,15 @@ def paged_decode(
         raise ValueError(
             "paged_decode needs q's rows and both caches contiguous in memory (a float8 v_cache "
             "may also lie transposed within each block)"
+        )
+    v_run = v_cache.shape[1]  # slots per V block: K's block size, or a divisor of it (07a)
+    if v_cache.shape != k_cache.shape and not (
+        fp8 and v_cache.shape[2:] == k_cache.shape[2:] and k_cache.shape[1] % v_run == 0
+        and v_cache.shape[0] * v_run == k_cache.shape[0] * k_cache.shape[1]
+    ):
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} must have k_cache's shape {tuple(k_cache.shape)}, "
+            "or, float8, hold the same slots in blocks that divide its block size"
         )
     if fp8 != (kv_scales is not None) or (fp8 and any(
         s.shape != k_cache.shape[:3] or s.dtype != torch.float32 or not s.is_contiguous()
@@ -261,8 +272,7 @@ def paged_decode(
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=head_dim, BLOCK_N=math.gcd(block_n, block_size, partition), SPLIT=num_parts > 1,
         ORDERED=ordered, PDL=pdl, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", FP8=fp8,
-        launch_pdl=pdl, num_warps=4,
-        num_stages=stages,
+        V_RUN=v_run, launch_pdl=pdl, num_warps=4, num_stages=stages,
     )
     if num_parts > 1:
         _combine_kernel[(num_seqs, num_heads)](

@@ -167,7 +167,9 @@ def torch_decode(
     num_kv_heads = k_cache.shape[2]
     tables = ctx.block_tables.clamp(min=0).long()  # [B, max_blocks]
     keys = k_cache[tables].flatten(1, 2)  # [B, T, Hk, D]
-    values = v_cache[tables].flatten(1, 2)  # [B, T, Hk, D]
+    per = k_cache.shape[1] // v_cache.shape[1]  # V blocks per K block (07a: float8 V in runs)
+    v_tables = (tables[:, :, None] * per + torch.arange(per, device=q.device)).flatten(1)
+    values = v_cache[v_tables].flatten(1, 2)  # [B, T, Hk, D]
     if kv_scales is not None:
         keys = dequantize_kv(keys, kv_scales[0][tables].flatten(1, 2), torch.float32)
         values = dequantize_kv(values, kv_scales[1][tables].flatten(1, 2), torch.float32)
