@@ -41,7 +41,7 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 
 
 # %% ../../notebooks/07a_fp8_kv.ipynb #f7a0041
-FP8_V_RUN = 64  # V's keys side by side in runs of this many slots (13.1: the store against the reader)
+FP8_V_RUN = 64  # V's keys side by side in runs of this many slots (13.1 measures the choice)
 
 
 def fp8_value_layout(v_cache: torch.Tensor, run: int = FP8_V_RUN) -> torch.Tensor:
