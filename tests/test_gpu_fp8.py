@@ -77,7 +77,8 @@ def test_triton_decode_over_a_float8_pool_equals_pytorch(lens, block_size, v_tra
     # Both outputs round to bfloat16 (8 significant bits), each by up to half a unit in the last
     # place, 2**-8 of itself: on opposite sides of a rounding boundary they land one unit, 2**-7 of
     # the value, apart (seen on the GPU: 65 of 614,400 values, 0.0156 at 2.2).
-    v_largest = float(dequantize_kv(vq, vs, torch.float32).abs().max())
+    v_rows = vq.reshape(*vs.shape, -1)  # by slot, whichever blocks V lies in
+    v_largest = float(dequantize_kv(v_rows, vs, torch.float32).abs().max())
     for o in (None, order):
         got = paged_decode(q, kq, vq, tables, ctx_lens, 128**-0.5, o, kv_scales=(ks, vs)).float()
         torch.testing.assert_close(got, want, atol=2**-10 * v_largest, rtol=2**-7)
