@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from .kv_store import v_blocks_hold_k_slots
+
 try:
     import triton
     import triton.language as tl
@@ -222,10 +224,7 @@ def paged_decode(
             "may also lie transposed within each block)"
         )
     v_run = v_cache.shape[1]  # slots per V block: K's block size, or a divisor of it (07a)
-    if v_cache.shape != k_cache.shape and not (
-        fp8 and v_cache.shape[2:] == k_cache.shape[2:] and k_cache.shape[1] % v_run == 0
-        and v_cache.shape[0] * v_run == k_cache.shape[0] * k_cache.shape[1]
-    ):
+    if v_cache.shape != k_cache.shape and not (fp8 and v_blocks_hold_k_slots(k_cache, v_cache)):
         raise ValueError(
             f"v_cache {tuple(v_cache.shape)} must have k_cache's shape {tuple(k_cache.shape)}, "
             "or, float8, hold the same slots in blocks that divide its block size"
