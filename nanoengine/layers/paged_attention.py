@@ -285,17 +285,21 @@ class FlashBackend(AttentionBackend):
         elif block_table is not None:
             k, v = k_cache, v_cache  # the whole pool, read through block_table
         if self._varlen_fwd is not None:  # the same kernel, without the Python layers above it
-            return self._varlen_fwd(
+            result = self._varlen_fwd(
                 q, k, v, out, ctx.cu_seqlens_q, ctx.cu_seqlens_k, None, None, block_table, None,
                 ctx.max_seqlen_q, ctx.max_seqlen_k, 0.0, scale, False, True, -1, -1, 0.0, False,
                 None,
             )[0]
-        result = self._varlen(
-            q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
-            max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k, softmax_scale=scale,
-            causal=True, block_table=block_table,
-        )
-        return result if out is None else out.copy_(result)
+        else:
+            result = self._varlen(
+                q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
+                max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k, softmax_scale=scale,
+                causal=True, block_table=block_table,
+            )
+        # one query per sequence: flash-attn regroups the heads and may answer in a tensor of its own
+        if out is None or result.data_ptr() == out.data_ptr():
+            return result
+        return out.copy_(result)
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float, kv_scales=None):
         """flash_attn_with_kvcache: one query per sequence over context_lens keys; unsplit for short
