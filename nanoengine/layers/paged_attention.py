@@ -296,7 +296,7 @@ class FlashBackend(AttentionBackend):
                 max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k, softmax_scale=scale,
                 causal=True, block_table=block_table,
             )
-        # one query per sequence: flash-attn regroups the heads and may answer in a tensor of its own
+        # one query per sequence: flash-attn regroups the heads, and may answer in a new tensor
         if out is None or result.data_ptr() == out.data_ptr():
             return result
         return out.copy_(result)
