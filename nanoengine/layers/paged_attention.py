@@ -276,8 +276,9 @@ class FlashBackend(AttentionBackend):
         if block_table is not None and kv_scales is not None and ctx.fresh_split is not None:
             n, cached, fresh = ctx.fresh_split
             out = torch.empty_like(q) if out is None else out  # [N, Hq, D]
-            self.prefill(q[:n], k[:n], v[:n], k_cache, v_cache, cached, scale, kv_scales, out[:n])
-            self.prefill(q[n:], k[n:], v[n:], k_cache, v_cache, fresh, scale, kv_scales, out[n:])
+            for rows, part in ((slice(0, n), cached), (slice(n, None), fresh)):  # prompt rows only
+                FlashBackend.prefill(self, q[rows], k[rows], v[rows], k_cache, v_cache, part,
+                                     scale, kv_scales, out[rows])
             return out
         if block_table is not None and kv_scales is not None:
             k, v = gather_keys(k, v, k_cache, v_cache, ctx, kv_scales)  # [total_k, Hk, D]
