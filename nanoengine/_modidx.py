@@ -573,8 +573,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                       'nanoengine/layers/paged_attention.py'),
                                                    'nanoengine.layers.paged_attention.flash_unavailable_reason': ( 'paged_attention.html#flash_unavailable_reason',
                                                                                                                    'nanoengine/layers/paged_attention.py'),
-                                                   'nanoengine.layers.paged_attention.fresh_split': ( 'paged_attention.html#fresh_split',
-                                                                                                      'nanoengine/layers/paged_attention.py'),
                                                    'nanoengine.layers.paged_attention.gather_keys': ( 'paged_attention.html#gather_keys',
                                                                                                       'nanoengine/layers/paged_attention.py'),
                                                    'nanoengine.layers.paged_attention.get_attention_backend': ( 'paged_attention.html#get_attention_backend',

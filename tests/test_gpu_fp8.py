@@ -119,42 +119,6 @@ def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_s
         assert scales[1].view(-1, hk)[slots[5], 0].isnan()
 
 
-@pytest.mark.parametrize("specs, rows", [
-    ([(300, 45), (256, 100), (0, 33), (0, 200)], 145),  # (cached, new): two continue, two are fresh
-    ([(0, 7), (511, 1), (0, 1), (0, 1)], 8),  # the fresh ones one token each: flash-attn regroups heads
-])
-def test_flash_over_a_float8_pool_attends_the_fresh_sequences_apart_to_the_bit(specs, rows):
-    from nanoengine.layers.paged_attention import (TorchBackend, flash_attn_available, fresh_split,
-                                                   get_attention_backend)
-    from nanoengine.utils.context import Context
-    if not flash_attn_available():
-        pytest.skip("needs flash-attn")
-    block, hk, hq, d = 256, 2, 8, 128
-    kq, vq, ks, vs = fp8_pool(2 * len(specs), block, hk, d, seed=1)  # random "cached" keys everywhere
-    tables = torch.arange(2 * len(specs), dtype=torch.int32).view(len(specs), 2)
-    cu_q, cu_k, slots = [0], [0], []
-    for (c, n), table in zip(specs, tables.tolist()):
-        cu_q.append(cu_q[-1] + n)
-        cu_k.append(cu_k[-1] + c + n)
-        slots += [table[p // block] * block + p % block for p in range(c, c + n)]
-    g = torch.Generator().manual_seed(2)
-    q = (torch.randn(cu_q[-1], hq, d, generator=g) * 2).to("cuda", torch.bfloat16)
-    k, v = ((torch.randn(cu_q[-1], hk, d, generator=g) * 2).to("cuda", torch.bfloat16) for _ in range(2))
-    i32 = dict(dtype=torch.int32, device="cuda")
-    fields = dict(is_prefill=True, cu_seqlens_q=torch.tensor(cu_q, **i32), cu_seqlens_k=torch.tensor(cu_k, **i32),
-                  max_seqlen_q=max(n for _, n in specs), max_seqlen_k=max(c + n for c, n in specs),
-                  slot_mapping=torch.tensor(slots, **i32),
-                  block_tables=tables.cuda())
-    flash = get_attention_backend("flash", device="cuda", block_size=block)
-    whole = flash.forward(q, k, v, kq, vq, Context(**fields), d**-0.5, kv_scales=(ks, vs))
-    split = fresh_split(cu_q, cu_k, fields["cu_seqlens_q"], fields["cu_seqlens_k"], fields["block_tables"])
-    assert split is not None and split[0] == rows
-    apart = flash.forward(q, k, v, kq, vq, Context(**fields, fresh_split=split), d**-0.5, kv_scales=(ks, vs))
-    assert torch.equal(apart, whole)
-    want = TorchBackend().forward(q, k, v, kq, vq, Context(**fields), d**-0.5, kv_scales=(ks, vs))
-    torch.testing.assert_close(apart.float(), want.float(), atol=2e-2, rtol=0)
-
-
 def test_fp8_engine_with_graphs_prefix_hits_and_chunked_prefill_tracks_the_bf16_engine(ckpt):
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, 380, (300,), generator=g).tolist()

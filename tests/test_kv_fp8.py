@@ -685,27 +685,6 @@ def test_tiny_qwen3_fp8_equals_fake_quantization_with_chunks_prefix_hits_and_pre
     assert min(starts) >= 2 and sum(starts) >= 40, starts
 
 
-def test_a_chunk_and_fresh_prompts_in_one_step_are_attended_apart_with_the_same_tokens(tiny, monkeypatch):
-    import nanoengine.engine.model_runner as mr
-    real, cuts = mr.fresh_split, []
-
-    def spy(*args):
-        cuts.append(real(*args))
-        return cuts[-1]
-
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (40, 10, 12)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    setup = dict(kv_cache_dtype="fp8", kvcache_block_size=16, max_num_batched_tokens=32, max_model_len=256)
-    monkeypatch.setattr(mr, "fresh_split", spy)
-    apart, *_ = run_engine(tiny, prompts, params, **setup)
-    # the second step: the first prompt's last 8 tokens over its 32 cached, then two fresh prompts
-    assert [c[0] for c in cuts if c is not None] == [8]
-    monkeypatch.setattr(mr, "fresh_split", lambda *args: None)
-    whole, *_ = run_engine(tiny, prompts, params, **setup)
-    assert [o["token_ids"] for o in apart] == [o["token_ids"] for o in whole]
-
-
 def test_text_nll_reads_every_key_back_from_the_float8_pool(tiny):
     from nanoengine.kv_accuracy import text_nll
 

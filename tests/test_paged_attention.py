@@ -12,8 +12,7 @@ import torch.nn.functional as F
 import nanoengine.layers.paged_attention as pa
 from nanoengine.layers.attention import Attention
 from nanoengine.layers.paged_attention import (FLASH_BLOCK_MULTIPLE, FlashBackend, TorchBackend, flash_attn_available,
-                                               flash_unavailable_reason, fresh_split, get_attention_backend,
-                                               key_slots)
+                                               flash_unavailable_reason, get_attention_backend, key_slots)
 from nanoengine.utils.context import Context, reset_context, set_context
 
 HAS_FLASH_GPU = torch.cuda.is_available() and flash_attn_available()
@@ -201,44 +200,6 @@ def test_gather_keys_reads_the_cached_keys_from_the_pool_and_the_new_ones_as_giv
     k, _ = pa.gather_keys(new_k, step.v, step.k_cache, step.v_cache, step.ctx, None)
     assert step.ctx.key_sources is sources
     assert torch.equal(k[sources[2]], new_k) and torch.equal(k[sources[1]], whole[0][sources[1]])
-
-
-def cut(step):
-    cu_q, cu_k = step.ctx.cu_seqlens_q, step.ctx.cu_seqlens_k
-    return fresh_split(cu_q.tolist(), cu_k.tolist(), cu_q, cu_k, step.ctx.block_tables)
-
-
-def test_fresh_split_cuts_after_the_last_sequence_with_cached_keys():
-    step = make_step([(0, 2), (5, 3), (9, 4), (0, 6), (0, 1)], seed=3)
-    n, first, rest = cut(step)
-    assert n == 9  # rows of the first three sequences; the first of them has nothing cached
-    assert first.cu_seqlens_q.tolist() == [0, 2, 5, 9] and first.cu_seqlens_k.tolist() == [0, 2, 10, 23]
-    assert (first.max_seqlen_q, first.max_seqlen_k) == (4, 13)
-    assert torch.equal(first.block_tables, step.ctx.block_tables[:3])
-    assert rest.cu_seqlens_q.tolist() == rest.cu_seqlens_k.tolist() == [0, 6, 7]
-    assert (rest.max_seqlen_q, rest.max_seqlen_k, rest.block_tables) == (6, 6, None)
-    assert cut(make_step([(0, 3), (4, 2)])) is None  # the last sequence has cached keys
-    assert fresh_split([0, 3, 5], [0, 3, 5], torch.tensor([0, 3, 5]), torch.tensor([0, 3, 5]),
-                       torch.zeros(2, 1, dtype=torch.int32)) is None  # nothing cached
-
-
-@pytest.mark.parametrize("specs", [
-    [(5, 3), (0, 2)],
-    [(0, 4), (12, 1), (3, 7), (0, 5), (0, 9)],
-    [(16, 16), (0, 16)],
-])
-def test_a_prefill_cut_by_fresh_split_gives_the_same_rows_to_the_bit(specs):
-    step = make_step(specs, block_size=4, seed=len(specs))
-    backend = TorchBackend()
-    whole = backend.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, step.ctx, step.scale)
-    step.ctx.fresh_split, step.ctx.key_sources = cut(step), None  # key_sources: the whole step's
-    assert step.ctx.fresh_split is not None
-    apart = backend.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, step.ctx, step.scale)
-    assert torch.equal(apart, whole)
-    torch.testing.assert_close(apart.double(), dense_attention(step), atol=1e-5, rtol=0)
-    n, first, _ = step.ctx.fresh_split
-    assert first.key_sources is not None and step.ctx.key_sources is None  # only the first part gathered
-    assert len(first.key_sources[2]) == n  # and it copied only its own new rows
 
 
 def test_missing_context_fields_are_named():

@@ -27,8 +27,7 @@ from .sequence import Sequence, TokenLogprobs
 from ..kernels.fused import tune_kernels
 from ..kernels.kv_fp8 import fp8_value_layout
 from ..layers.attention import Attention
-from ..layers.paged_attention import AttentionBackend, fresh_split
-from ..layers.paged_attention import select_attention_backend
+from ..layers.paged_attention import AttentionBackend, select_attention_backend
 from ..layers.sampler import Sampler, SamplingBatch, SamplingExtras, compute_logprobs
 from ..models.registry import load_weights, model_class
 from ..utils.compile import compile_stance
@@ -364,15 +363,10 @@ def prepare_prefill(self: ModelRunner, seqs: list[Sequence]) -> tuple[torch.Tens
         if self.split_mixed
         else {}
     )
-    split = (  # where the sequences with cached keys end, for a backend that gathers them (08)
-        fresh_split(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, tables)
-        if has_cached_keys and not parts
-        else None
-    )
     self.step.set(
         is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, slot_mapping=self._tensor(slot_mapping, torch.int32),
-        block_tables=tables, fresh_split=split, **parts,
+        block_tables=tables, **parts,
     )
     # [N], [N]
     return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
@@ -451,15 +445,10 @@ def _split_mixed(
         max_seqlen_k=max(seq.num_tokens for seq in seqs[:d]),
         context_lens=cu_k[: d + 1].diff(), block_tables=decode_tables,
     )
-    prompt_q, prompt_k = cu_q[d:] - cu_q[d], cu_k[d:] - cu_k[d]
     prompt = Context(
-        is_prefill=True, cu_seqlens_q=prompt_q, cu_seqlens_k=prompt_k,
+        is_prefill=True, cu_seqlens_q=cu_q[d:] - cu_q[d], cu_seqlens_k=cu_k[d:] - cu_k[d],
         max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
         block_tables=tables[d:] if prompt_cached else None,
-        fresh_split=fresh_split(
-            [x - cu_seqlens_q[d] for x in cu_seqlens_q[d:]],
-            [x - cu_seqlens_k[d] for x in cu_seqlens_k[d:]], prompt_q, prompt_k, tables[d:],
-        ) if prompt_cached else None,
     )
     return {"decode_rows": decode, "prompt_rows": prompt}
 

@@ -24,9 +24,6 @@ class Context:
     decode_order: torch.Tensor | None = None  # [num_seqs], longest context first (set by a layer)
     # a prefill over a cached prefix: where its packed keys come from (a layer's, unless given; 08)
     key_sources: tuple[torch.Tensor, ...] | None = None
-    # ... whose last sequences have nothing in the pool: the query rows before them, and the
-    # two parts as prefill steps, for a backend that gathers the cached keys (08)
-    fresh_split: "tuple[int, Context, Context] | None" = None
     # a mixed step, split for a backend that attends decode rows better on their own (08.1):
     decode_rows: "Context | None" = None  # its leading decode rows, as a decode step
     prompt_rows: "Context | None" = None  # the rows after them, as a prefill step
