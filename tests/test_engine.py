@@ -244,6 +244,9 @@ def test_mixed_steps_split_for_a_backend_that_asks_equal_transformers(ckpt, hf, 
                 d = len(ctx.decode_rows.context_lens)
                 assert 0 < d < q.shape[0] and ctx.prompt_rows.cu_seqlens_q[-1] == q.shape[0] - d
                 parts.append((d, ctx.prompt_rows.block_tables is not None))
+            for c in (ctx,) if ctx.decode_rows is None else (ctx, ctx.prompt_rows):
+                cached = int(c.cu_seqlens_k[-1] - c.cu_seqlens_q[-1])  # the runner's count, on the host
+                assert c.num_cached_keys == (cached or None) and (c.block_tables is None) == (not cached)
             return super().prefill(q, k, v, k_cache, v_cache, ctx, scale)
 
     monkeypatch.setattr(mr, "select_attention_backend", lambda *a, **k: SplitTorch())

@@ -119,6 +119,32 @@ def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_s
         assert scales[1].view(-1, hk)[slots[5], 0].isnan()
 
 
+def test_a_prompt_step_gathers_its_cached_float8_keys_without_waiting_for_the_device():
+    """The runner counts a prompt step's cached keys on the host (Context.num_cached_keys), so that gather_keys
+    never waits for the GPU mid-step: a wait there stops the host queueing the step's later layers. A Context built
+    by hand, without the count, still works, and the same check catches its wait."""
+    from nanoengine.layers.paged_attention import gather_keys
+    from nanoengine.utils.context import Context
+    kq, vq, ks, vs = fp8_pool(8, 16, 2, 128)
+    cuda = dict(dtype=torch.int32, device="cuda")
+    k, v = (torch.randn(12, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    layout = dict(is_prefill=True, cu_seqlens_q=torch.tensor([0, 5, 7, 12], **cuda),
+                  cu_seqlens_k=torch.tensor([0, 25, 27, 41], **cuda), max_seqlen_q=5, max_seqlen_k=25,
+                  block_tables=torch.tensor([[3, 1], [6, -1], [5, 2]], **cuda))  # 20, 0 and 9 cached
+    counted, by_hand = Context(**layout, num_cached_keys=29), Context(**layout)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = gather_keys(k, v, kq, vq, counted, (ks, vs))
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            gather_keys(k, v, kq, vq, Context(**layout), (ks, vs))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = gather_keys(k, v, kq, vq, by_hand, (ks, vs))
+    assert [len(x) for x in counted.key_sources] == [29, 29, 12]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_fp8_engine_with_graphs_prefix_hits_and_chunked_prefill_tracks_the_bf16_engine(ckpt):
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, 380, (300,), generator=g).tolist()

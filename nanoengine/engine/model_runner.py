@@ -354,10 +354,10 @@ def prepare_prefill(self: ModelRunner, seqs: list[Sequence]) -> tuple[torch.Tens
                 slot_mapping += range(base + lo, base + hi)
         else:
             slot_mapping += [-1] * (end - start)
-    has_cached_keys = cu_seqlens_k[-1] > cu_seqlens_q[-1]
+    num_cached_keys = cu_seqlens_k[-1] - cu_seqlens_q[-1]  # read from the pool: no wait for it
     cu_q = self._tensor(cu_seqlens_q, torch.int32)
     cu_k = self._tensor(cu_seqlens_k, torch.int32)
-    tables = self._block_tables(seqs) if has_cached_keys else None
+    tables = self._block_tables(seqs) if num_cached_keys else None
     parts = (  # a mixed step's two parts, for a backend that attends them apart (below)
         self._split_mixed(seqs, cu_seqlens_q, cu_seqlens_k, cu_q, cu_k, tables)
         if self.split_mixed
@@ -366,7 +366,7 @@ def prepare_prefill(self: ModelRunner, seqs: list[Sequence]) -> tuple[torch.Tens
     self.step.set(
         is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, slot_mapping=self._tensor(slot_mapping, torch.int32),
-        block_tables=tables, **parts,
+        block_tables=tables, num_cached_keys=num_cached_keys or None, **parts,
     )
     # [N], [N]
     return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)
@@ -436,7 +436,8 @@ def _split_mixed(
         return {}
     q_lens = [b - a for a, b in zip(cu_seqlens_q[d:], cu_seqlens_q[d + 1:])]
     k_lens = [b - a for a, b in zip(cu_seqlens_k[d:], cu_seqlens_k[d + 1:])]
-    prompt_cached = cu_seqlens_k[-1] - cu_seqlens_k[d] > cu_seqlens_q[-1] - cu_seqlens_q[d]
+    # the prompt rows' keys read from the pool, counted on the host
+    prompt_cached = (cu_seqlens_k[-1] - cu_seqlens_k[d]) - (cu_seqlens_q[-1] - cu_seqlens_q[d])
     # the decode rows' tables as wide as the decode graphs' (chapter 11): the kernel variants
     # they compiled at start-up serve these rows too, and none is compiled mid-run
     pad = max(0, self.decode_table_width - tables.shape[1])
@@ -449,6 +450,7 @@ def _split_mixed(
         is_prefill=True, cu_seqlens_q=cu_q[d:] - cu_q[d], cu_seqlens_k=cu_k[d:] - cu_k[d],
         max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens),
         block_tables=tables[d:] if prompt_cached else None,
+        num_cached_keys=prompt_cached or None,
     )
     return {"decode_rows": decode, "prompt_rows": prompt}
 

@@ -123,7 +123,9 @@ def key_sources(
     cached ones [C], their places [C], and the places of the step's num_new new ones."""
     cu_q, cu_k = ctx.cu_seqlens_q.long(), ctx.cu_seqlens_k.long()
     cu_cached = cu_k - cu_q  # [B + 1]: keys in the pool before each sequence's new ones
-    num_cached = int(cu_cached[-1])  # the step's one wait for the device
+    num_cached = ctx.num_cached_keys  # counted on the host by the runner (09)
+    if num_cached is None:  # a Context built by hand: ask the device, and wait for it
+        num_cached = int(cu_cached[-1])
     rows = key_slots(cu_cached, ctx.block_tables, block_size, num_cached)  # [C]
     seqs = torch.arange(len(cu_q) - 1, device=cu_q.device)
     cached_seq = torch.repeat_interleave(seqs, cu_cached.diff(), output_size=num_cached)

@@ -21,6 +21,7 @@ class Context:
     slot_mapping: torch.Tensor | None = None  # [num_tokens], KV slot of each new token (-1 = skip)
     context_lens: torch.Tensor | None = None  # int32 [num_seqs], decode: tokens of context
     block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks], -1 padded
+    num_cached_keys: int | None = None  # prefill: keys read from the pool, all sequences (host)
     decode_order: torch.Tensor | None = None  # [num_seqs], longest context first (set by a layer)
     # a prefill over a cached prefix: where its packed keys come from (a layer's, unless given; 08)
     key_sources: tuple[torch.Tensor, ...] | None = None
