@@ -2,7 +2,12 @@
 
 The upper end is whatever `pip install` picked (the newest allowed); the lower end is installed by `make test` into
 .triton-low/ (or found on the device machine, whose image has it). A kernel line that one end cannot interpret
-fails here instead of on a reader's machine."""
+fails here instead of on a reader's machine.
+
+The interpreter does not compile: it runs a kernel line by line in NumPy, and accepts code that Triton's compiler
+rejects (a runtime `if` whose branches leave a variable in two dtypes, for one). So every kernel is also compiled for a
+Hopper GPU (sm_90) on this CPU, at both ends of the range, from the arguments its launcher passes: a kernel that
+would fail to compile on the GPU fails here, before any device time is spent on it."""
 import os
 import re
 import subprocess
@@ -130,3 +135,123 @@ def test_the_lowest_declared_triton_interprets_both_kernels():
     if not (LOW_DIR / "triton").is_dir():
         pytest.skip(f"triton {low} is not in {LOW_DIR} (make test installs it there)")
     assert version_tuple(run_check(LOW_DIR))[:2] == version_tuple(low)[:2]
+
+COMPILE = r'''
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+launches = []  # (kernel, args, kwargs) of every launch, none run
+JITFunction.__getitem__ = lambda self, grid: (lambda *a, **k: launches.append((self, a, k)))
+from nanoengine.kernels.fused import add_rms_norm_triton, fused_gemv, silu_and_mul_triton
+from nanoengine.kernels.gemv import gemv
+from nanoengine.kernels.kv_fp8 import fp8_value_layout, store_kv_fp8_triton
+from nanoengine.kernels.kv_store import store_kv_triton
+from nanoengine.kernels.paged_decode import paged_decode
+from nanoengine.kernels.race_kernel import race_sample
+from nanoengine.kernels.rope_store import qk_norm_rope_store
+from nanoengine.layers.rotary_embedding import RotaryEmbedding
+
+bf16, f8 = torch.bfloat16, torch.float8_e4m3fn
+n, hq, hk, d, blocks, bs = 4, 16, 8, 128, 4, 256  # Qwen3-0.6B's attention shape, bfloat16 as served
+kv = [torch.zeros(blocks, bs, hk, d, dtype=bf16) for _ in range(2)]
+kv8 = [torch.zeros(blocks, bs, hk, d, dtype=f8) for _ in range(2)]
+kv8[1] = fp8_value_layout(kv8[1])
+scales = tuple(torch.ones(blocks, bs, hk) for _ in range(2))
+slots, key = torch.arange(n), torch.randn(n, hk, d, dtype=bf16)
+q, tables = torch.randn(n, hq, d, dtype=bf16), torch.arange(n, dtype=torch.int32)[:, None]
+lens = torch.full((n,), 100, dtype=torch.int32)
+qkv, pos = torch.randn(n, (hq + 2 * hk) * d, dtype=bf16), torch.arange(n)
+w, table = torch.rand(d, dtype=bf16), RotaryEmbedding(d, d, 64, 1e6).cos_sin_cache
+x, weight, nw = torch.randn(2, 1024, dtype=bf16), torch.randn(64, 1024, dtype=bf16), torch.rand(1024, dtype=bf16)
+calls = {
+    "store_kv_triton": lambda: store_kv_triton(key, key, *kv, slots),
+    "store_kv_fp8_triton": lambda: store_kv_fp8_triton(key, key, *kv8, *scales, slots),
+    "paged_decode": lambda: paged_decode(q, *kv, tables, lens, 0.1),
+    "paged_decode, one sequence (split)": lambda: paged_decode(q[:1], *kv, tables[:1], lens[:1], 0.1),
+    "paged_decode, float8": lambda: paged_decode(q, *kv8, tables, lens, 0.1, torch.arange(n), scales),
+    "qk_norm_rope_store": lambda: qk_norm_rope_store(qkv, pos, w, w, 1e-6, table, *kv, slots, hq, hk),
+    "qk_norm_rope_store, float8": lambda: qk_norm_rope_store(qkv, pos, w, w, 1e-6, table, *kv8, slots,
+                                                             hq, hk, kv_scales=scales),
+    "gemv": lambda: gemv(x, weight),
+    "fused_gemv, add_norm": lambda: fused_gemv(x, weight, prologue="add_norm", residual=x, norm_weight=nw),
+    "fused_gemv, silu": lambda: fused_gemv(torch.randn(2, 2048, dtype=bf16), weight, prologue="silu"),
+    "add_rms_norm_triton": lambda: add_rms_norm_triton(x, x, nw, 1e-6),
+    "silu_and_mul_triton": lambda: silu_and_mul_triton(torch.randn(2, 2048, dtype=bf16)),
+    "race_sample": lambda: race_sample(torch.randn(3, 5000), torch.ones(3), 7),
+}
+TYPES = {bf16: "bf16", torch.float16: "fp16", torch.float32: "fp32", f8: "fp8e4nv", torch.int32: "i32",
+         torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
+OPTIONS = {"num_warps", "num_stages", "launch_pdl", "num_ctas", "maxnreg"}
+target = GPUTarget("cuda", 90, 32)  # Hopper: the GPUs the engine is measured on
+compiled = set()
+for name, call in calls.items():
+    start = len(launches)
+    try:
+        call()
+    except Exception:  # a launcher that reads its (unwritten) output after the launch
+        pass
+    assert len(launches) > start, f"{name} launched no kernel"
+    for fn, args, kwargs in launches[start:]:
+        params = fn.params
+        bound = dict(zip([p.name for p in params], args)) | {
+            k: v for k, v in kwargs.items() if k not in OPTIONS}
+        signature, constexprs = {}, {}
+        for i, p in enumerate(params):
+            value = bound[p.name] if p.name in bound else p.default
+            if p.name == "PDL":
+                value = True  # the launch the GPU makes (programmatic dependent launch)
+            if p.is_constexpr or value is None:
+                signature[p.name], constexprs[(i,)] = "constexpr", value
+            elif torch.is_tensor(value):
+                signature[p.name] = "*" + TYPES[value.dtype]
+            elif isinstance(value, bool):
+                signature[p.name] = "i1"
+            elif isinstance(value, int):
+                signature[p.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            else:
+                signature[p.name] = "fp32"
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=target, options=options)
+        compiled.add(fn.__name__)
+print(sorted(compiled))
+print(triton.__version__)
+'''
+
+
+def run_compile(extra_path: Path | None = None) -> tuple[list[str], str]:
+    """Every kernel compiled for sm_90 (COMPILE, no interpreter): the kernels' names and triton's version."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if extra_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(extra_path), str(ROOT)])
+    result = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    names, version = result.stdout.strip().splitlines()[-2:]
+    return eval(names), version  # a list of str printed by COMPILE
+
+
+def package_kernels() -> set[str]:
+    """The names of every Triton kernel the package defines (def _..._kernel under @triton.jit)."""
+    names = set()
+    for path in (ROOT / "nanoengine").rglob("*.py"):
+        names |= set(re.findall(r"@triton\.jit(?:\(.*\))?\s+def (_\w+_kernel)\(", path.read_text()))
+    return names
+
+
+def test_every_kernel_compiles_for_hopper_with_the_installed_triton():
+    names, version = run_compile()
+    # a new kernel needs a launch in COMPILE
+    assert set(names) == package_kernels()
+
+
+def test_every_kernel_compiles_for_hopper_with_the_lowest_declared_triton():
+    low, _ = declared_range()
+    import triton
+    if version_tuple(triton.__version__)[:2] == version_tuple(low)[:2]:
+        return  # this machine is the lower end: the test above compiled with it
+    if not (LOW_DIR / "triton").is_dir():
+        pytest.skip(f"triton {low} is not in {LOW_DIR} (make test installs it there)")
+    names, version = run_compile(LOW_DIR)
+    assert version_tuple(version)[:2] == version_tuple(low)[:2] and set(names) == package_kernels()
