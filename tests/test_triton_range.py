@@ -8,6 +8,7 @@ The interpreter does not compile: it runs a kernel line by line in NumPy, and ac
 rejects (a runtime `if` whose branches leave a variable in two dtypes, for one). So every kernel is also compiled for a
 Hopper GPU (sm_90) on this CPU, at both ends of the range, from the arguments its launcher passes: a kernel that
 would fail to compile on the GPU fails here, before any device time is spent on it."""
+import ast
 import os
 import re
 import subprocess
@@ -136,6 +137,7 @@ def test_the_lowest_declared_triton_interprets_both_kernels():
         pytest.skip(f"triton {low} is not in {LOW_DIR} (make test installs it there)")
     assert version_tuple(run_check(LOW_DIR))[:2] == version_tuple(low)[:2]
 
+
 COMPILE = r'''
 import torch
 import triton
@@ -229,7 +231,7 @@ def run_compile(extra_path: Path | None = None) -> tuple[list[str], str]:
     result = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     names, version = result.stdout.strip().splitlines()[-2:]
-    return eval(names), version  # a list of str printed by COMPILE
+    return ast.literal_eval(names), version  # the list of names COMPILE printed
 
 
 def package_kernels() -> set[str]:
