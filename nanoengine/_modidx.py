@@ -581,6 +581,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                     'nanoengine/layers/paged_attention.py'),
                                                    'nanoengine.layers.paged_attention.key_sources': ( 'paged_attention.html#key_sources',
                                                                                                       'nanoengine/layers/paged_attention.py'),
+                                                   'nanoengine.layers.paged_attention.pack_keys_triton': ( 'paged_attention.html#pack_keys_triton',
+                                                                                                           'nanoengine/layers/paged_attention.py'),
                                                    'nanoengine.layers.paged_attention.select_attention_backend': ( 'paged_decode.html#select_attention_backend',
                                                                                                                    'nanoengine/layers/paged_attention.py'),
                                                    'nanoengine.layers.paged_attention.torch_decode': ( 'paged_attention.html#torch_decode',

@@ -122,7 +122,8 @@ def test_float8_store_and_fused_rope_store_on_the_gpu_match_pytorch_within_one_s
 def test_a_prompt_step_gathers_its_cached_float8_keys_without_waiting_for_the_device():
     """The runner counts a prompt step's cached keys on the host (Context.num_cached_keys), so that gather_keys
     never waits for the GPU mid-step: a wait there stops the host queueing the step's later layers. A Context built
-    by hand, without the count, still works, and the same check catches its wait."""
+    by hand, without the count, still works, and the same check catches its wait. The gather is one Triton kernel on
+    the GPU, equal to the PyTorch gather on the CPU."""
     from nanoengine.layers.paged_attention import gather_keys
     from nanoengine.utils.context import Context
     kq, vq, ks, vs = fp8_pool(8, 16, 2, 128)
@@ -132,6 +133,7 @@ def test_a_prompt_step_gathers_its_cached_float8_keys_without_waiting_for_the_de
                   cu_seqlens_k=torch.tensor([0, 25, 27, 41], **cuda), max_seqlen_q=5, max_seqlen_k=25,
                   block_tables=torch.tensor([[3, 1], [6, -1], [5, 2]], **cuda))  # 20, 0 and 9 cached
     counted, by_hand = Context(**layout, num_cached_keys=29), Context(**layout)
+    gather_keys(k, v, kq, vq, Context(**layout, num_cached_keys=29), (ks, vs))  # compiled before the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -143,6 +145,10 @@ def test_a_prompt_step_gathers_its_cached_float8_keys_without_waiting_for_the_de
     want = gather_keys(k, v, kq, vq, by_hand, (ks, vs))
     assert [len(x) for x in counted.key_sources] == [29, 29, 12]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # the GPU's one kernel (pack_keys_triton) writes what PyTorch's gather writes on the CPU, bit for bit
+    on_cpu = Context(**{n: x.cpu() if torch.is_tensor(x) else x for n, x in layout.items()})
+    cpu = gather_keys(k.cpu(), v.cpu(), kq.cpu(), vq.cpu(), on_cpu, (ks.cpu(), vs.cpu()))
+    assert torch.equal(got[0].cpu(), cpu[0]) and torch.equal(got[1].cpu(), cpu[1])
 
 
 def test_fp8_engine_with_graphs_prefix_hits_and_chunked_prefill_tracks_the_bf16_engine(ckpt):

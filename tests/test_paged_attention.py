@@ -202,6 +202,62 @@ def test_gather_keys_reads_the_cached_keys_from_the_pool_and_the_new_ones_as_giv
     assert torch.equal(k[sources[2]], new_k) and torch.equal(k[sources[1]], whole[0][sources[1]])
 
 
+PACK_CHECK = r"""
+import torch
+from nanoengine.kernels.kv_fp8 import fp8_value_layout, quantize_kv
+from nanoengine.layers.paged_attention import gather_keys, key_sources, pack_keys_triton
+from nanoengine.utils.context import Context
+
+g = torch.Generator().manual_seed(0)
+blocks, bs, hk, d = 6, 4, 3, 16  # three KV heads: the kernel pads them to four
+# (num_cached, num_new) per sequence: a prefix hit, a chunk boundary mid-block, a fresh prompt
+for specs, fp8, v_runs, dtype in [([(5, 3), (0, 2), (9, 1)], True, False, torch.float16),
+                                  ([(4, 4), (7, 2)], True, True, torch.float32),
+                                  ([(6, 2), (0, 3)], False, False, torch.float32)]:
+    raw = [torch.randn(blocks, bs, hk, d, generator=g) * 3 for _ in range(2)]
+    if fp8:
+        (kc, ks), (vc, vs) = quantize_kv(raw[0]), quantize_kv(raw[1])
+        scales = (ks, vs)
+        if v_runs:  # V laid out as the engine lays a float8 pool out, in runs of 2 slots
+            vc = fp8_value_layout(torch.empty_like(vc), run=2).copy_(vc.reshape(-1, 2, hk, d))
+    else:
+        (kc, vc), scales = (x.to(dtype) for x in raw), None
+    table = torch.randperm(blocks, generator=g)
+    tables, at = [], 0
+    for c, n in specs:
+        m = -(-(c + n) // bs)
+        tables.append(table[at:at + m].tolist() + [-1] * (3 - m))
+        at += m
+    cu_q = torch.tensor([0] + [n for _, n in specs]).cumsum(0).int()
+    cu_k = torch.tensor([0] + [c + n for c, n in specs]).cumsum(0).int()
+    ctx = Context(is_prefill=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                  block_tables=torch.tensor(tables, dtype=torch.int32))
+    k, v = (torch.randn(int(cu_q[-1]), hk, d, generator=g).to(dtype) for _ in range(2))
+    want = gather_keys(k, v, kc, vc, ctx, scales)  # PyTorch, on the CPU
+    got = pack_keys_triton(k, v, kc, vc, scales, *ctx.key_sources)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), (specs, fp8, v_runs)
+    rows, cached_at, _ = ctx.key_sources  # sources with no new rows: every key from the pool
+    only = pack_keys_triton(k, v, kc, vc, scales, rows, torch.arange(len(rows)), None)
+    assert torch.equal(only[0], want[0][cached_at]) and torch.equal(only[1], want[1][cached_at])
+    print("pack", specs)
+print("ALL OK")
+"""
+
+
+def test_pack_keys_kernel_under_the_interpreter_equals_gather_keys():
+    """The Triton gather of a prompt step's keys (a fresh process with TRITON_INTERPRET=1) writes exactly what
+    gather_keys' PyTorch path writes: float8 pools with either V layout, and an unscaled pool."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", PACK_CHECK], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.strip().splitlines()[-1] == "ALL OK" and result.stdout.count("pack") == 3
+
+
 def test_missing_context_fields_are_named():
     step = make_step([(4, 2)])
     empty = torch.tensor([])
