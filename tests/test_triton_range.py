@@ -1,4 +1,4 @@
-"""Every Triton kernel (KV store, GEMV, fused GEMV, the unfused prologues, paged decode with its combine, QK-norm + RoPE + store, the one-pass sampler), run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
+"""Every Triton kernel (KV store, GEMV, fused GEMV, the unfused prologues, paged decode with its combine, QK-norm + RoPE + store, the one-pass sampler, the prompt step's key gather), run by Triton's CPU interpreter, at each end of the triton range pyproject.toml declares.
 
 The upper end is whatever `pip install` picked (the newest allowed); the lower end is installed by `make test` into
 .triton-low/ (or found on the device machine, whose image has it). A kernel line that one end cannot interpret
@@ -154,6 +154,7 @@ from nanoengine.kernels.kv_store import store_kv_triton
 from nanoengine.kernels.paged_decode import paged_decode
 from nanoengine.kernels.race_kernel import race_sample
 from nanoengine.kernels.rope_store import qk_norm_rope_store
+from nanoengine.layers.paged_attention import pack_keys_triton
 from nanoengine.layers.rotary_embedding import RotaryEmbedding
 
 bf16, f8 = torch.bfloat16, torch.float8_e4m3fn
@@ -164,7 +165,7 @@ kv8[1] = fp8_value_layout(kv8[1])
 scales = tuple(torch.ones(blocks, bs, hk) for _ in range(2))
 slots, key = torch.arange(n), torch.randn(n, hk, d, dtype=bf16)
 q, tables = torch.randn(n, hq, d, dtype=bf16), torch.arange(n, dtype=torch.int32)[:, None]
-lens = torch.full((n,), 100, dtype=torch.int32)
+lens, rows = torch.full((n,), 100, dtype=torch.int32), torch.arange(n)
 qkv, pos = torch.randn(n, (hq + 2 * hk) * d, dtype=bf16), torch.arange(n)
 w, table = torch.rand(d, dtype=bf16), RotaryEmbedding(d, d, 64, 1e6).cos_sin_cache
 x, weight, nw = torch.randn(2, 1024, dtype=bf16), torch.randn(64, 1024, dtype=bf16), torch.rand(1024, dtype=bf16)
@@ -183,6 +184,8 @@ calls = {
     "add_rms_norm_triton": lambda: add_rms_norm_triton(x, x, nw, 1e-6),
     "silu_and_mul_triton": lambda: silu_and_mul_triton(torch.randn(2, 2048, dtype=bf16)),
     "race_sample": lambda: race_sample(torch.randn(3, 5000), torch.ones(3), 7),
+    "pack_keys_triton": lambda: pack_keys_triton(key, key, *kv, None, rows, rows, rows),
+    "pack_keys_triton, float8": lambda: pack_keys_triton(key, key, *kv8, scales, rows, rows, rows),
 }
 TYPES = {bf16: "bf16", torch.float16: "fp16", torch.float32: "fp32", f8: "fp8e4nv", torch.int32: "i32",
          torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}

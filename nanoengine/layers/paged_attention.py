@@ -221,14 +221,16 @@ if triton is not None:
                 v_scale = tl.load(v_scale_ptr + row * H + h, mask=h < H, other=1.0)
                 k = k.to(tl.float32) * k_scale[:, None]
                 v = v.to(tl.float32) * v_scale[:, None]
+            k, v = k.to(k_out_ptr.dtype.element_ty), v.to(v_out_ptr.dtype.element_ty)
         else:  # one of the step's new rows, as it is
             j = i - num_cached
             at = tl.load(new_at_ptr + j).to(tl.int64)
             k = tl.load(k_new_ptr + j * stride_kn + h[:, None] * stride_kh + d[None, :], mask=keep)
             v = tl.load(v_new_ptr + j * stride_vn + h[:, None] * stride_vh + d[None, :], mask=keep)
+            k, v = k.to(k_out_ptr.dtype.element_ty), v.to(v_out_ptr.dtype.element_ty)
         out = at * H * D + h[:, None] * D + d[None, :]
-        tl.store(k_out_ptr + out, k.to(k_out_ptr.dtype.element_ty), mask=keep)
-        tl.store(v_out_ptr + out, v.to(v_out_ptr.dtype.element_ty), mask=keep)
+        tl.store(k_out_ptr + out, k, mask=keep)  # both branches give the output dtype
+        tl.store(v_out_ptr + out, v, mask=keep)
 
 
 def pack_keys_triton(
