@@ -196,7 +196,7 @@ def torch_decode(
 # %% ../../notebooks/08_paged_attention.ipynb #pk000002
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_cached"])  # one compile, whatever the count
     def _pack_keys_kernel(
         rows_ptr, cached_at_ptr, new_at_ptr, num_cached, k_new_ptr, v_new_ptr, stride_kn,
         stride_kh, stride_vn, stride_vh, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
