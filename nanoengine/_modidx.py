@@ -268,6 +268,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner.ModelRunner.run': ( 'model_runner.html#modelrunner.run',
                                                                                                     'nanoengine/engine/model_runner.py'),
+                                                'nanoengine.engine.model_runner.ModelRunner.warm_cached_prompt': ( 'model_runner.html#modelrunner.warm_cached_prompt',
+                                                                                                                   'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner.ModelRunner.warmup': ( 'model_runner.html#modelrunner.warmup',
                                                                                                        'nanoengine/engine/model_runner.py'),
                                                 'nanoengine.engine.model_runner.default_cpu_num_blocks': ( 'model_runner.html#default_cpu_num_blocks',

@@ -206,3 +206,15 @@ def test_smollm2_with_an_fp8_cache_keeps_greedy_text_and_the_text_nll():
     # SmolLM2's 4-bit weights meet near-ties within a few dozen tokens (benchmarks/h100_fp8.json:
     # the completions part after 5 to 234 tokens): each parting must be one
     check_departures_are_near_ties(out["auto"], out["fp8"])
+
+
+def test_start_up_compiles_the_float8_key_gather_before_the_first_request(ckpt, monkeypatch):
+    """A float8 pool's prompt steps with cached keys launch pack_keys_triton, which Triton compiles on its first
+    launch (hundreds of milliseconds): the runner's start-up launches it (warm_cached_prompt), not a request."""
+    import nanoengine.layers.paged_attention as pa
+    launched, pack = [], pa.pack_keys_triton
+    monkeypatch.setattr(pa, "pack_keys_triton", lambda *a: (launched.append(a[0].shape[0]), pack(*a))[1])
+    with LLM(ckpt, kv_cache_dtype="fp8", kvcache_block_size=256, num_kvcache_blocks=16, max_model_len=1024) as llm:
+        assert launched and set(launched) == {1}, launched
+        out = llm.generate([[3, 4, 5] * 100], SamplingParams(max_tokens=4), use_tqdm=False)[0]["token_ids"]
+        assert len(out) == 4
