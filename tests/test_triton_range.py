@@ -238,10 +238,11 @@ def run_compile(extra_path: Path | None = None) -> tuple[list[str], str]:
 
 
 def package_kernels() -> set[str]:
-    """The names of every Triton kernel the package defines (def _..._kernel under @triton.jit)."""
+    """The names of every Triton kernel the package defines (def _..._kernel under @triton.jit, with or without
+    arguments and a comment)."""
     names = set()
     for path in (ROOT / "nanoengine").rglob("*.py"):
-        names |= set(re.findall(r"@triton\.jit(?:\(.*\))?\s+def (_\w+_kernel)\(", path.read_text()))
+        names |= set(re.findall(r"@triton\.jit(?:\(.*\))?[^\n]*\s+def (_\w+_kernel)\(", path.read_text()))
     return names
 
 
