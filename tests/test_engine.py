@@ -317,10 +317,10 @@ def test_the_engine_is_handed_its_runner(ckpt):
         LLMEngine(ckpt, device="cpu", control_plane="shm")  # a setting of LLM, the front door (14.3)
 
 
-def test_the_start_up_step_over_a_cached_block_reads_it_from_the_pool(ckpt, monkeypatch):
+def test_the_start_up_step_over_a_cached_token_reads_it_from_the_pool(ckpt, monkeypatch):
     """warm_cached_prompt (run at start-up on a GPU, so that kernels only such steps launch compile then) runs one
-    prompt step whose first block counts as cached: one new row, a block's worth of keys gathered from the still
-    empty pool; an engine that ran it answers as one that did not."""
+    prompt step of one new token after one cached token, gathered from the still empty pool; an engine that ran it
+    answers as one that did not."""
     import nanoengine.layers.paged_attention as pa
     kwargs = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=128)
     prompts, params = [[5, 6, 7] * 11, [9] * 40], SamplingParams(temperature=0.0, max_tokens=6)
@@ -331,6 +331,6 @@ def test_the_start_up_step_over_a_cached_block_reads_it_from_the_pool(ckpt, monk
         monkeypatch.setattr(pa, "gather_keys", lambda k, v, kc, vc, ctx, s: (
             seen.append((k.shape[0], ctx.num_cached_keys)), gather(k, v, kc, vc, ctx, s))[1])
         llm.model_runner.warm_cached_prompt()
-        assert seen and set(seen) == {(1, 16)}, seen
+        assert seen and set(seen) == {(1, 1)}, seen
         monkeypatch.setattr(pa, "gather_keys", gather)
         assert [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)] == want

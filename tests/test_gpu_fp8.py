@@ -215,7 +215,7 @@ def test_start_up_compiles_the_float8_key_gather_before_the_first_request(ckpt, 
     launched, pack = [], pa.pack_keys_triton
     monkeypatch.setattr(pa, "pack_keys_triton", lambda *a: (launched.append(a[0].shape[0]), pack(*a))[1])
     with LLM(ckpt, kv_cache_dtype="fp8", kvcache_block_size=256, num_kvcache_blocks=16, max_model_len=1024) as llm:
-        assert 1 in launched, launched  # the start-up step: one new row over a cached block
+        assert 1 in launched, launched  # the start-up step: one new row after one cached
         out = llm.generate([[3, 4, 5] * 100], SamplingParams(max_tokens=4, ignore_eos=True),
                            use_tqdm=False)[0]["token_ids"]
         assert len(out) == 4

@@ -657,13 +657,11 @@ def warmup(self: ModelRunner) -> int:
 
 @patch
 def warm_cached_prompt(self: ModelRunner) -> None:
-    """Run one prompt step whose first block counts as cached, over the empty pool's first two
-    blocks, so that what only such steps launch (a float8 pool's key gather) compiles now."""
-    if self.num_kvcache_blocks < 2:
-        return
-    seq = Sequence([0] * (self.block_size + 1), block_size=self.block_size)
-    seq.block_table = [0, 1]  # no request holds a block yet: what it writes is never read
-    seq.num_cached_tokens, seq.num_scheduled_tokens = self.block_size, 1
+    """Run one prompt step of one new token after one cached token, in the empty pool's first
+    block, so that what only such steps launch (a float8 pool's key gather) compiles now."""
+    seq = Sequence([0, 0], block_size=self.block_size)
+    seq.block_table = [0]  # no request holds a block yet: what it writes is never read
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 1, 1
     self.run([seq], is_prefill=True)  # returns once its token is back
 
 
