@@ -173,6 +173,16 @@ def test_decode_reads_only_owned_rows():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("longest", ["counted", "beyond the tables"])
+def test_decode_reads_slots_up_to_the_longest_context_the_runner_counts(longest):
+    """The runner's max_seqlen_k bounds the slots decode gathers; a bound past the tables reads them all."""
+    specs = [(5, 1), (12, 1), (0, 1)]
+    whole = run_and_check(TorchBackend(), make_step(specs, decode=True, num_pad=2, block_size=8))
+    step = make_step(specs, decode=True, num_pad=2, block_size=8)
+    step.ctx.max_seqlen_k = int(step.ctx.context_lens.max()) if longest == "counted" else 10**6
+    torch.testing.assert_close(run_and_check(TorchBackend(), step), whole, atol=1e-6, rtol=0)
+
+
 def test_without_cache_is_a_plain_packed_prefill():
     step = make_step([(0, 5), (0, 3)])
     empty = torch.tensor([])

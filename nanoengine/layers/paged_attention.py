@@ -117,8 +117,8 @@ class TorchBackend(AttentionBackend):
         return varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, scale)
 
     def decode(self, q, k_cache, v_cache, ctx: Context, scale: float, kv_scales=None):
-        """Gather whole blocks per sequence, mask beyond context_lens; rows with no context give
-        zeros."""
+        """Gather each sequence's key slots up to the step's longest context, mask beyond
+        context_lens; rows with no context give zeros."""
         return torch_decode(q, k_cache, v_cache, ctx, scale, kv_scales)
 
 
@@ -171,19 +171,23 @@ def torch_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """TorchBackend's decode: whole blocks gathered per sequence (float8 rows dequantized), float32
-    math: [B, Hq, D]."""
+    """TorchBackend's decode: the first T key slots of every sequence gathered through its block
+    table (float8 rows dequantized), T the step's longest context; float32 math: [B, Hq, D]."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, block_size, run = k_cache.shape[2], k_cache.shape[1], v_cache.shape[1]
     tables = ctx.block_tables.clamp(min=0).long()  # [B, max_blocks]
-    keys = k_cache[tables].flatten(1, 2)  # [B, T, Hk, D]
-    per = k_cache.shape[1] // v_cache.shape[1]  # V blocks per K block (07a: float8 V in runs)
-    v_tables = (tables[:, :, None] * per + torch.arange(per, device=q.device)).flatten(1)
-    values = v_cache[v_tables].flatten(1, 2)  # [B, T, Hk, D]
+    num_keys = tables.shape[1] * block_size  # every slot of the tables
+    if ctx.max_seqlen_k > 0:  # the longest context, counted on the host: no slot beyond it
+        num_keys = min(num_keys, ctx.max_seqlen_k)
+    pos = torch.arange(num_keys, device=q.device)  # [T]
+    blocks, slots = tables[:, pos // block_size], pos % block_size  # [B, T], [T]
+    keys = k_cache[blocks, slots]  # [B, T, Hk, D]
+    # V's blocks may hold `run` slots each (07a: float8 V in runs), block_size / run per K block
+    values = v_cache[blocks * (block_size // run) + slots // run, slots % run]  # [B, T, Hk, D]
     if kv_scales is not None:
-        keys = dequantize_kv(keys, kv_scales[0][tables].flatten(1, 2), torch.float32)
-        values = dequantize_kv(values, kv_scales[1][tables].flatten(1, 2), torch.float32)
-    visible = torch.arange(keys.shape[1], device=q.device) < ctx.context_lens[:, None]  # [B, T]
+        keys = dequantize_kv(keys, kv_scales[0][blocks, slots], torch.float32)
+        values = dequantize_kv(values, kv_scales[1][blocks, slots], torch.float32)
+    visible = pos < ctx.context_lens[:, None]  # [B, T]
     values = torch.where(visible[:, :, None, None], values.float(), 0.0)
     # [B, Hk, G, D]
     grouped = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
