@@ -11,7 +11,7 @@ import torch
 
 from ..config import ATTENTION_BACKENDS
 from .attention import varlen_causal_attention
-from ..kernels.kv_fp8 import dequantize_kv, read_kv_rows, store_kv_fp8
+from ..kernels.kv_fp8 import read_kv_rows, store_kv_fp8
 from ..kernels.kv_store import store_kv
 from ..utils.checks import check_int
 from ..utils.context import Context
@@ -174,19 +174,16 @@ def torch_decode(
     """TorchBackend's decode: the first T key slots of every sequence gathered through its block
     table (float8 rows dequantized), T the step's longest context; float32 math: [B, Hq, D]."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, block_size, run = k_cache.shape[2], k_cache.shape[1], v_cache.shape[1]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     tables = ctx.block_tables.clamp(min=0).long()  # [B, max_blocks]
     num_keys = tables.shape[1] * block_size  # every slot of the tables
     if ctx.max_seqlen_k > 0:  # the longest context, counted on the host: no slot beyond it
         num_keys = min(num_keys, ctx.max_seqlen_k)
     pos = torch.arange(num_keys, device=q.device)  # [T]
-    blocks, slots = tables[:, pos // block_size], pos % block_size  # [B, T], [T]
-    keys = k_cache[blocks, slots]  # [B, T, Hk, D]
-    # V's blocks may hold `run` slots each (07a: float8 V in runs), block_size / run per K block
-    values = v_cache[blocks * (block_size // run) + slots // run, slots % run]  # [B, T, Hk, D]
-    if kv_scales is not None:
-        keys = dequantize_kv(keys, kv_scales[0][blocks, slots], torch.float32)
-        values = dequantize_kv(values, kv_scales[1][blocks, slots], torch.float32)
+    rows = tables[:, pos // block_size] * block_size + pos % block_size  # [B, T] pool rows
+    k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
+    keys = read_kv_rows(k_cache, k_scale, rows, torch.float32)  # [B, T, Hk, D]
+    values = read_kv_rows(v_cache, v_scale, rows, torch.float32)  # either layout of V (07a)
     visible = pos < ctx.context_lens[:, None]  # [B, T]
     values = torch.where(visible[:, :, None, None], values.float(), 0.0)
     # [B, Hk, G, D]
