@@ -473,6 +473,27 @@ for lens, width, bs, hq, hk, ordered in [([5, 37, 0], 4, 16, 4, 2, False),
         assert not torch.allclose(bad, want, atol=1e-2), ("decode ignores a scale", lens[:3])
     print("decode", len(lens), width, bs)
 
+# an unsplit step of 128-key tiles ends each sequence with a 64-key tile when at most 64 keys
+# remain: every remainder of 128 (0, 1, 64, 65, 127) against torch_decode, V in the engine's runs
+import nanoengine.kernels.paged_decode as pd  # noqa: E402
+lens = [1, 63, 64, 65, 127, 128, 129, 192, 193, 256, 300, 383]
+pd.DECODE_SPLIT_BELOW = 1  # one program per pair however few the pairs
+assert pd.decode_launch(True, False)[0] == 128 and pd.DECODE_FP8_TAIL_N == 64
+g = torch.Generator().manual_seed(7)
+raw = [torch.randn(2 * len(lens) + 1, 256, 1, 16, generator=g) for _ in range(2)]
+(k_cache, k_scale), (v_cache, v_scale) = quantize_kv(raw[0]), quantize_kv(raw[1])
+tables = (torch.randperm(2 * len(lens), generator=g) + 1).int().view(len(lens), 2)
+q = torch.randn(len(lens), 2, 16, generator=g).half().float()
+ctx_lens = torch.tensor(lens, dtype=torch.int32)
+want = torch_decode(q, k_cache, v_cache, Context(context_lens=ctx_lens, block_tables=tables),
+                    0.25, (k_scale, v_scale))
+v_lying = transposed([k_cache, v_cache], 64)[1]
+got = paged_decode(q, k_cache, v_lying, tables, ctx_lens, 0.25, None, (k_scale, v_scale))
+v_largest = float(dequantize_kv(v_cache, v_scale, torch.float32).abs().max())
+torch.testing.assert_close(got, want, atol=2**-10 * v_largest, rtol=0)
+pd.DECODE_SPLIT_BELOW = DECODE_SPLIT_BELOW
+print("decode, last tiles", len(lens))
+
 # QK-norm + RoPE + the float8 store in one kernel == the eager ops, then store_kv_fp8_torch
 # (float16, not bfloat16: the interpreter's bfloat16 arithmetic is wrong in this Triton)
 for n, hq, hk, d, dtype in [(3, 4, 2, 32, torch.float32), (4, 6, 3, 16, torch.float16)]:
@@ -520,7 +541,7 @@ def test_the_triton_kernels_under_the_interpreter_match_pytorch_on_float8_caches
                             timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = result.stdout.strip().splitlines()
-    assert lines[-1] == "ALL OK" and len(lines) == 9, result.stdout
+    assert lines[-1] == "ALL OK" and len(lines) == 10, result.stdout
 
 
 # --- 4. TorchBackend over a float8 pool -----------------------------------------------------------
