@@ -24,8 +24,7 @@ from paged_decode_sweep import BLOCK, HEAD_DIM, HEADS, KV_HEADS, graph_us, scatt
 from nanoengine.bench import provenance  # noqa: E402
 from nanoengine.kernels.kv_fp8 import fp8_value_layout, quantize_kv  # noqa: E402
 from nanoengine.kernels.paged_decode import (  # noqa: E402
-    DECODE_FP8_TAIL_N, _combine_kernel, _decode_kernel, decode_launch, decode_partition, paged_decode,
-    pdl_capable,
+    _combine_kernel, _decode_kernel, decode_launch, decode_partition, paged_decode, pdl_capable,
 )
 
 CASES = {"256 x 512 keys": [512] * 256, "1 x 600 keys": [600], "1 x 100 keys": [100], "8 x 1000 keys": [1000] * 8}
@@ -46,15 +45,13 @@ def launch(q, kc, vc, ks, vs, tables, lens, out, part, stats, partition, num_par
     """paged_decode's launch with the tile, warps and stages given (and, unsplit, the sequences' order); float8
     caches read their scales `ks`, `vs`, other caches pass themselves there (unread)."""
     pdl, ordered = pdl_capable(q.device), order is not None and num_parts == 1
-    fp8 = kc.dtype == torch.float8_e4m3fn  # a narrower last tile, as paged_decode launches it
     _decode_kernel[(KV_HEADS, q.shape[0], num_parts)](
         q, kc, vc, ks, vs, tables, lens, order if ordered else lens, out, part, stats, HEAD_DIM**-0.5, q.stride(0),
         q.stride(1), kc.stride(0), kc.stride(1), *vc.stride(), tables.stride(0), out.stride(0), out.stride(1),
         PARTITION=partition,
         BLOCK_SIZE=BLOCK, GROUP=HEADS // KV_HEADS, GROUP_PAD=16, D=HEAD_DIM, BLOCK_N=block_n, SPLIT=num_parts > 1,
         ORDERED=ordered, PDL=pdl,
-        INTERPRET=False, FP8=fp8, V_RUN=vc.shape[1], TAIL_N=math.gcd(DECODE_FP8_TAIL_N, block_n) if fp8 else block_n,
-        launch_pdl=pdl, num_warps=warps,
+        INTERPRET=False, FP8=kc.dtype == torch.float8_e4m3fn, V_RUN=vc.shape[1], launch_pdl=pdl, num_warps=warps,
         num_stages=stages,
     )
     if num_parts > 1:

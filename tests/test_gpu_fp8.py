@@ -59,7 +59,7 @@ def fp8_pool(num_blocks: int, block_size: int, heads: int, dim: int, seed: int =
 
 
 @pytest.mark.parametrize("v_transposed", [True, False])
-# the last: unsplit 128-key tiles, each sequence ending in a full tile, a 64-key one or a partial one
+# the last: unsplit 128-key tiles, the sequences' last tiles full, nearly empty and between
 @pytest.mark.parametrize("lens, block_size", [([5, 37, 0, 300], 16), ([3000, 17], 256), ([60] * 300, 16),
                                               ([(37 * i) % 700 + 1 for i in range(40)], 256)])
 def test_triton_decode_over_a_float8_pool_equals_pytorch(lens, block_size, v_transposed):
